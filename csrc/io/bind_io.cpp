@@ -1,0 +1,7 @@
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace luwu {
+void bind_io(py::module_& m) { (void)m; }
+}  // namespace luwu

@@ -1,0 +1,5 @@
+import sys
+
+from luwu_rt.cli.main import main
+
+sys.exit(main())

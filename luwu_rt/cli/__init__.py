@@ -1,0 +1,1 @@
+"""The `luwu` command line: one module per subcommand, dispatched by main.py."""

@@ -1,0 +1,56 @@
+"""`luwu` entry point.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``. Modules import heavy dependencies inside ``run`` so that
+``luwu --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command path, module, one-line help). A path of two words is a nested
+# subcommand such as `luwu bench io`.
+COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+)
+
+_GROUP_HELP = {"bench": "measure throughput of the runtime's parts against their peers"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="luwu", description="luwu_rt: train models larger than GPU memory.")
+    top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, module_name, help_text in COMMANDS:
+        module = importlib.import_module(module_name)
+        if len(path) == 1:
+            sub = top.add_parser(path[0], help=help_text, description=help_text)
+        else:
+            group, leaf = path
+            if group not in groups:
+                gp = top.add_parser(group, help=_GROUP_HELP.get(group, ""))
+                groups[group] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            sub = groups[group].add_parser(leaf, help=help_text, description=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, OSError) as exc:
+        # User-caused problems (bad sizes, missing directories, full disks) get
+        # one clear line and a non-zero exit, not a traceback.
+        print(f"luwu: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("luwu: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
