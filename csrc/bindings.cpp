@@ -7,10 +7,12 @@ namespace py = pybind11;
 namespace luwu {
 void bind_io(py::module_& m);
 void bind_optim(py::module_& m);
+void bind_store(py::module_& m);
 }  // namespace luwu
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "luwu_rt native core: async file IO engine and fused optimizer kernels";
+  m.doc() = "luwu_rt native core: async file IO engine, fused optimizer kernels, checksums";
   luwu::bind_io(m);
   luwu::bind_optim(m);
+  luwu::bind_store(m);
 }
