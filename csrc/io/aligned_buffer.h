@@ -1,0 +1,34 @@
+// Page-aligned host memory for O_DIRECT IO, exported to Python through the
+// buffer protocol so torch.frombuffer can wrap it without a copy.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+namespace luwu::io {
+
+class AlignedBuffer {
+ public:
+  // Anonymous mmap (page-aligned, zero-filled). `lock` tries mlock and
+  // records whether it succeeded: RLIMIT_MEMLOCK may forbid it, which is not
+  // an error, only slower under memory pressure.
+  AlignedBuffer(size_t nbytes, bool lock);
+  ~AlignedBuffer();
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+  bool locked() const { return locked_; }
+  // Runs before the memory is unmapped (e.g. cudaHostUnregister).
+  void set_release_hook(std::function<void()> hook) { hook_ = std::move(hook); }
+
+ private:
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+  size_t mapped_ = 0;
+  bool locked_ = false;
+  std::function<void()> hook_;
+};
+
+}  // namespace luwu::io

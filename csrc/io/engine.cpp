@@ -1,0 +1,220 @@
+#include "io/engine.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+
+namespace luwu::io {
+namespace {
+
+bool aligned(uint64_t v) { return (v & (kAlign - 1)) == 0; }
+
+void fail(Request* r, int err, const std::string& what) {
+  if (r->err != 0) return;  // the first failure explains the request best
+  r->err = err;
+  r->msg = what;
+}
+
+std::string describe(const Piece& p) {
+  const Request& r = *p.req;
+  return std::string(r.op == Op::kRead ? "read" : "write") + " of " + std::to_string(p.len) +
+         " bytes at offset " + std::to_string(r.offset + p.pos);
+}
+
+}  // namespace
+
+Step account(Piece* p, int64_t res) {
+  Request* r = p->req;
+  if (res == -EINTR || res == -EAGAIN) return Step::kRetry;
+  if (p->sync) {
+    if (res < 0) fail(r, static_cast<int>(-res), std::string("fdatasync failed: ") + std::strerror(-res));
+    return Step::kDone;
+  }
+  if (res < 0) {
+    fail(r, static_cast<int>(-res), std::string(std::strerror(-res)) + " (" + describe(*p) + ")");
+    return Step::kDone;
+  }
+  if (res == 0) {
+    if (r->op == Op::kRead) {
+      fail(r, ENODATA, "read past end of file (" + describe(*p) + " hit end of file; the request was " +
+                           std::to_string(r->nbytes) + " bytes at offset " + std::to_string(r->offset) + ")");
+    } else {
+      fail(r, EIO, "write made no progress (" + describe(*p) + ")");
+    }
+    return Step::kDone;
+  }
+  // A short transfer is not an error: continue from where it stopped (the
+  // remainder may have lost its alignment; piece_fd() then picks the
+  // page-cache descriptor).
+  p->pos += static_cast<uint64_t>(res);
+  p->len -= static_cast<uint64_t>(res);
+  return p->len == 0 ? Step::kDone : Step::kRetry;
+}
+
+bool cut_piece(Request* r, uint64_t block_bytes, Piece* p) {
+  if (r->err != 0 || r->next >= r->nbytes) return false;
+  const uint64_t off = r->offset + r->next;
+  const uint64_t addr = reinterpret_cast<uintptr_t>(r->buf) + r->next;
+  const uint64_t rem = r->nbytes - r->next;
+  uint64_t len;
+  // Direct IO is possible only when file offset and memory address share
+  // their position within a 4 KiB page; otherwise no split can align both.
+  if (r->file->direct_fd >= 0 && aligned(addr - off)) {
+    const uint64_t head = (kAlign - (off & (kAlign - 1))) & (kAlign - 1);
+    if (head != 0) {
+      len = head < rem ? head : rem;
+    } else if (rem >= kAlign) {
+      const uint64_t body = rem & ~(kAlign - 1);
+      len = body < block_bytes ? body : block_bytes;
+    } else {
+      len = rem;  // unaligned tail
+    }
+  } else {
+    len = rem < block_bytes ? rem : block_bytes;
+  }
+  *p = Piece{r, r->next, len, false};
+  r->next += len;
+  return true;
+}
+
+bool take_piece(std::deque<std::shared_ptr<Request>>* pending, uint64_t block_bytes, Piece* p) {
+  while (!pending->empty()) {
+    Request* r = pending->front().get();
+    if (cut_piece(r, block_bytes, p)) {
+      ++r->inflight;
+      return true;
+    }
+    pending->pop_front();
+    // A durable write of zero bytes has no data piece to trigger its sync.
+    if (r->nbytes == 0 && r->durable && !r->synced) {
+      r->synced = true;
+      ++r->inflight;
+      *p = Piece{r, 0, 0, true};
+      return true;
+    }
+  }
+  return false;
+}
+
+After after_piece(Request* r) {
+  if (!data_finished(*r)) return After::kNothing;
+  if (r->durable && r->err == 0 && !r->synced) {
+    r->synced = true;
+    ++r->inflight;
+    return After::kSync;
+  }
+  return After::kComplete;
+}
+
+int piece_fd(const Piece& p) {
+  const Request& r = *p.req;
+  const uint64_t addr = reinterpret_cast<uintptr_t>(r.buf) + p.pos;
+  if (r.file->direct_fd >= 0 && aligned(r.offset + p.pos) && aligned(addr) && aligned(p.len)) {
+    return r.file->direct_fd;
+  }
+  return r.file->buffered_fd;
+}
+
+Engine::Engine(Backend backend, unsigned queue_depth, uint64_t block_bytes, unsigned num_threads,
+               size_t num_cached_files)
+    : backend_(backend), files_(num_cached_files) {
+  for (int i = 0; i < 2; ++i) {
+    if (backend == Backend::kIoUring) {
+      int err = 0;
+      lanes_[i] = make_uring_lane(this, queue_depth, block_bytes, &err);
+      if (err != 0) {
+        lanes_[0].reset();
+        throw std::system_error(err, std::generic_category(), "io_uring_setup");
+      }
+    } else {
+      lanes_[i] = make_thread_lane(this, queue_depth, block_bytes, num_threads);
+    }
+  }
+}
+
+Engine::~Engine() { close(); }
+
+void Engine::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  // Lanes drain what is queued before stopping, so no piece outlives its buffer's owner.
+  for (auto& lane : lanes_) {
+    if (lane) lane->shutdown();
+  }
+  for (auto& lane : lanes_) lane.reset();
+  files_.forget("");
+}
+
+uint64_t Engine::submit(Op op, const std::string& path, int fd, uintptr_t buf, uint64_t offset,
+                        uint64_t nbytes, bool durable, WaitResult* open_err) {
+  const bool for_write = op == Op::kWrite;
+  OpenResult opened = fd >= 0 ? FileCache::wrap_fd(fd, for_write) : files_.open_path(path, for_write);
+  if (opened.err != 0) {
+    open_err->err = opened.err;
+    open_err->msg = opened.msg;
+    return 0;
+  }
+  auto r = std::make_shared<Request>();
+  r->op = op;
+  r->file = std::move(opened.file);
+  r->buf = reinterpret_cast<char*>(buf);
+  r->offset = offset;
+  r->nbytes = nbytes;
+  r->durable = durable && for_write;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      open_err->err = EBADF;
+      open_err->msg = "the IO engine is closed";
+      return 0;
+    }
+    r->id = next_id_++;
+    tickets_[r->id] = Slot{r, false};
+  }
+  if (nbytes == 0 && !r->durable) {
+    complete(r.get());
+  } else {
+    lanes_[static_cast<int>(op)]->enqueue(r);
+  }
+  return r->id;
+}
+
+void Engine::complete(Request* r) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = tickets_.find(r->id);
+    if (it != tickets_.end()) it->second.done = true;
+  }
+  // Waiters are few (usually one executor thread); waking all is simplest.
+  cv_.notify_all();
+}
+
+WaitResult Engine::wait(uint64_t ticket) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) return WaitResult{-1, "unknown or already waited-for ticket"};
+  // A pointer, not the iterator: inserts by other threads may rehash.
+  Slot* slot = &it->second;
+  cv_.wait(lock, [&] { return slot->done; });
+  WaitResult out{slot->req->err, slot->req->msg};
+  tickets_.erase(ticket);
+  return out;
+}
+
+bool Engine::done(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tickets_.find(ticket);
+  return it == tickets_.end() || it->second.done;
+}
+
+size_t Engine::num_pending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tickets_.size();
+}
+
+}  // namespace luwu::io

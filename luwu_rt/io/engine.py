@@ -1,0 +1,229 @@
+"""Asynchronous file IO between host tensors and files (see DESIGN.md, csrc/io/)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from luwu_rt.io.buffers import PAGE_BYTES
+
+__all__ = ["BACKENDS", "IOEngine", "IOTicket"]
+
+BACKENDS = ("auto", "io_uring", "threads")
+"""Accepted values of ``IOEngine(backend=...)``."""
+
+_MAX_BLOCK_BYTES = 1 << 30  # one io_uring SQE carries a 32-bit length
+_NUM_CACHED_FILES = 128
+# Raw bytes are read into these; reading arbitrary bytes into bool or
+# quantized tensors would create invalid values.
+_REJECTED_DTYPES = frozenset({torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+_log = logging.getLogger(__name__)
+
+PathOrFd = str | os.PathLike | int
+
+
+@dataclass(slots=True, eq=False)
+class IOTicket:
+    """Handle of one submitted request; pass it to :meth:`IOEngine.wait`."""
+
+    id: int
+    """Engine-internal request number."""
+    op: str
+    """``"read"`` or ``"write"``."""
+    path: str
+    """The file, or ``"<fd N>"`` for a caller's descriptor."""
+    offset: int
+    """File offset of the request."""
+    nbytes: int
+    """Size of the request."""
+    buffer: torch.Tensor = field(repr=False)
+    """Kept referenced until the request completes, so its memory cannot be freed under the IO."""
+
+
+def _check_buffer(buffer: object, what: str) -> torch.Tensor:
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"{what}: buffer must be a torch.Tensor (e.g. from luwu_rt.io.aligned_empty), got {type(buffer).__name__}")
+    if buffer.device.type != "cpu":
+        raise ValueError(f"{what}: buffer must live in host memory, got device {buffer.device}; use a pinned CPU tensor and copy")
+    if buffer.layout != torch.strided:
+        raise ValueError(f"{what}: buffer must be a dense (strided) tensor, got layout {buffer.layout}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{what}: buffer must be contiguous; call .contiguous() or read into a contiguous tensor")
+    if buffer.dtype in _REJECTED_DTYPES:
+        raise ValueError(f"{what}: buffer dtype {buffer.dtype} cannot hold raw file bytes; use torch.uint8 or a numeric dtype")
+    return buffer
+
+
+def _check_offset(offset: object, what: str) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"{what}: offset must be an int >= 0, got {offset!r}")
+    return offset
+
+
+class IOEngine:
+    """Asynchronous reads and writes between CPU tensors and files.
+
+    Requests are split into ``block_bytes`` pieces kept in flight up to
+    ``queue_depth`` per direction (reads and writes have separate queues).
+    Aligned pieces use O_DIRECT; unaligned heads, tails and buffers go through
+    the page cache, so any offset and size works. Files named by path are
+    opened by the engine (created for writing, never truncated) and their
+    descriptors cached; an int is a descriptor the caller owns.
+
+    ``backend``: ``"io_uring"``, ``"threads"`` (pread/pwrite pool of
+    ``num_threads`` per direction, default ``min(queue_depth, 8)``), or
+    ``"auto"``: io_uring, falling back to threads when the kernel or a
+    container forbids it. Every failure raises ``OSError(errno, message, path)``
+    from :meth:`wait` (or from submit, when the file cannot be opened).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        queue_depth: int = 32,
+        block_bytes: int = 1 << 20,
+        num_threads: int | None = None,
+    ) -> None:
+        from luwu_rt import _C
+
+        if backend not in BACKENDS:
+            raise ValueError(f"IOEngine: backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(queue_depth, int) or not 1 <= queue_depth <= 4096:
+            raise ValueError(f"IOEngine: queue_depth must be an int in [1, 4096], got {queue_depth!r}")
+        if not isinstance(block_bytes, int) or block_bytes < PAGE_BYTES or block_bytes % PAGE_BYTES or block_bytes > _MAX_BLOCK_BYTES:
+            raise ValueError(
+                f"IOEngine: block_bytes must be a multiple of {PAGE_BYTES} in [{PAGE_BYTES}, {_MAX_BLOCK_BYTES}], got {block_bytes!r}"
+            )
+        if num_threads is None:
+            num_threads = min(queue_depth, 8)
+        if not isinstance(num_threads, int) or not 1 <= num_threads <= 1024:
+            raise ValueError(f"IOEngine: num_threads must be an int in [1, 1024] or None, got {num_threads!r}")
+        self.queue_depth = queue_depth
+        self.block_bytes = block_bytes
+        self.num_threads = num_threads
+        kwargs = dict(queue_depth=queue_depth, block_bytes=block_bytes, num_threads=num_threads, num_cached_files=_NUM_CACHED_FILES)
+        self._tickets: dict[int, IOTicket] = {}
+        self._impl = self._open(_C, backend, kwargs)
+
+    @staticmethod
+    def _open(native, backend: str, kwargs: dict):
+        if backend != "auto":
+            return native.IOEngine(backend=backend, **kwargs)
+        try:
+            return native.IOEngine(backend="io_uring", **kwargs)
+        except OSError as exc:
+            # Containers often block io_uring with seccomp (EPERM) and old
+            # kernels lack it (ENOSYS); the thread pool works everywhere.
+            _log.warning("io_uring unavailable (%s); using the thread-pool backend", exc)
+            return native.IOEngine(backend="threads", **kwargs)
+
+    @property
+    def backend(self) -> str:
+        """The active backend: ``"io_uring"`` or ``"threads"``."""
+        return self._impl.backend
+
+    def submit_read(self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor) -> IOTicket:
+        """Starts reading ``buffer.nbytes`` bytes at ``offset`` into ``buffer``.
+        Reading past the end of the file fails with ``OSError(ENODATA)``."""
+        return self._submit("read", path_or_fd, offset, buffer, False)
+
+    def submit_write(
+        self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor, durable: bool = False
+    ) -> IOTicket:
+        """Starts writing ``buffer`` at ``offset``; ``durable`` adds an fdatasync
+        before the ticket completes. Do not modify ``buffer`` until then."""
+        return self._submit("write", path_or_fd, offset, buffer, durable)
+
+    def _submit(self, op: str, path_or_fd: PathOrFd, offset: int, buffer: torch.Tensor, durable: bool) -> IOTicket:
+        from luwu_rt import _C
+
+        what = f"submit_{op}"
+        buffer = _check_buffer(buffer, what)
+        offset = _check_offset(offset, what)
+        if isinstance(path_or_fd, bool) or not isinstance(path_or_fd, (int, str, os.PathLike)):
+            raise ValueError(f"{what}: path_or_fd must be a path or an int descriptor, got {type(path_or_fd).__name__}")
+        if isinstance(path_or_fd, int):
+            fd, path, shown = path_or_fd, "", f"<fd {path_or_fd}>"
+        else:
+            fd, path = -1, os.fspath(path_or_fd)
+            shown = path
+        nbytes = buffer.numel() * buffer.element_size()
+        native_op = _C.IOOp.READ if op == "read" else _C.IOOp.WRITE
+        try:
+            ticket_id = self._impl.submit(
+                op=native_op, path=path, fd=fd, buf=buffer.data_ptr(), offset=offset, nbytes=nbytes, durable=durable
+            )
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, shown) from None
+        ticket = IOTicket(id=ticket_id, op=op, path=shown, offset=offset, nbytes=nbytes, buffer=buffer)
+        self._tickets[ticket_id] = ticket
+        return ticket
+
+    def wait(self, ticket: IOTicket) -> None:
+        """Blocks until ``ticket`` completes (the GIL is released meanwhile);
+        raises ``OSError(errno, message, path)`` if it failed."""
+        if not isinstance(ticket, IOTicket) or self._tickets.get(ticket.id) is not ticket:
+            raise ValueError(f"wait: {ticket!r} is not a pending ticket of this engine (already waited for?)")
+        err, msg = self._impl.wait(ticket.id)
+        del self._tickets[ticket.id]
+        if err != 0:
+            raise OSError(err, msg, ticket.path)
+
+    def done(self, ticket: IOTicket) -> bool:
+        """True once ``ticket`` has completed (successfully or not); never blocks."""
+        return self._impl.done(ticket.id)
+
+    def wait_all(self) -> None:
+        """Waits for every pending ticket; raises the first failure after all have completed."""
+        first: OSError | None = None
+        for ticket in list(self._tickets.values()):
+            try:
+                self.wait(ticket)
+            except OSError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def read(self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor) -> None:
+        """Synchronous :meth:`submit_read` + :meth:`wait`."""
+        self.wait(self.submit_read(path_or_fd, offset=offset, buffer=buffer))
+
+    def write(self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor, durable: bool = False) -> None:
+        """Synchronous :meth:`submit_write` + :meth:`wait`."""
+        self.wait(self.submit_write(path_or_fd, offset=offset, buffer=buffer, durable=durable))
+
+    def forget(self, path: str | os.PathLike) -> None:
+        """Closes the cached descriptors of ``path`` (e.g. before deleting it)."""
+        self._impl.forget(os.fspath(path))
+
+    @property
+    def num_pending(self) -> int:
+        """Tickets submitted and not yet waited for."""
+        return len(self._tickets)
+
+    def close(self) -> None:
+        """Waits for pending requests (discarding their errors), then stops the
+        engine and closes its descriptors. Idempotent."""
+        impl = getattr(self, "_impl", None)
+        if impl is None:
+            return
+        for ticket in list(self._tickets.values()):
+            impl.wait(ticket.id)
+        self._tickets.clear()
+        impl.close()
+        self._impl = None
+
+    def __enter__(self) -> IOEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
