@@ -1,1 +1,37 @@
+"""Pure swap planner: where every shard lives at every moment of a training step.
 
+Frozen inputs (``ModelSpec``, ``Placement``, ``Budgets``, ``HardwareProfile``,
+``Strategy``) go in; an immutable ``SwapPlan`` of ops with explicit dependencies
+comes out (``plan_step`` for a fixed placement, ``plan_auto`` to pick the
+fastest placement that fits); ``validate`` checks a plan's invariants and
+``estimate`` predicts its step time and IO. Standard library only: no torch,
+no native code, so users can unit-test their own schedules against it.
+
+    from luwu_rt.plan import (Budgets, HardwareProfile, Placement, estimate, gpt_model_spec,
+                              plan_step, validate)
+    from luwu_rt.models.presets import get_preset
+
+    model = gpt_model_spec(get_preset("gpt-1.3b"), batch_size=8, seq_len=1024)
+    plan = plan_step(model, budgets=Budgets(device_bytes=8 << 30, host_bytes=16 << 30),
+                     placement=Placement(params="host", optimizer="nvme", grads="host"))
+    validate(plan)
+    print(estimate(plan, HardwareProfile()).predicted_step_s)  # seconds
+"""
+
+from .cost import StepCost, estimate, op_seconds
+from .ops import (QUEUES, Access, Compute, Free, Gather, Load, Op, OptimStep, Pull, Push, Reduce, ShardId,
+                  ShardInfo, Store, SwapPlan)
+from .planner import POLICIES, lower_bounds, plan_step
+from .search import DoesNotFit, PlanResult, plan_auto
+from .sizes import format_size, parse_size
+from .spec import (STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy,
+                   UnitSpec, gpt_model_spec)
+from .validate import PlanError, validate
+
+__all__ = [
+    "Access", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
+    "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce",
+    "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy", "SwapPlan", "TIERS",
+    "UnitSpec", "estimate", "format_size", "gpt_model_spec", "lower_bounds", "op_seconds", "parse_size",
+    "plan_auto", "plan_step", "validate",
+]

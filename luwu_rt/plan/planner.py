@@ -1,0 +1,357 @@
+"""The swap planner: from a step's access sequence to a ``SwapPlan``.
+
+[Note: how the planner works]
+It walks the logical steps of ``sequence.build_steps`` once, keeping for every
+shard the copies that exist on each tier, their version and the ops that wrote
+and read them. Before a step it makes each input resident on the tier the step
+needs, moving it one tier at a time from the nearest up-to-date copy; every
+copy gets an arena slot, and when a slot does not fit the eviction policy picks
+a victim among the evictable copies of that tier: not a home copy, not used by
+the current step, and not the only up-to-date copy. Under ``belady`` the victim
+is the copy whose next use is furthest away (optimal for equal sizes); under
+``lru`` the least recently used one (kept for comparison). Evicting a clean
+copy needs no IO: dirty data never waits for eviction because right after a
+step writes a shard away from its home, the planner writes it back toward its
+home one tier at a time - unless the next access of the shard is another write
+on the same tier (a tied embedding's gradient accumulating across backward ops),
+in which case the copy stays put, dirty and therefore not evictable.
+
+Prefetch is not a separate mechanism: a load depends only on its source copy
+and on the ``Free`` of whatever occupied its slot, so an executor can issue it
+as soon as the budget has room, however early that is.
+
+[Note: plan granularity]
+A shard is the planning unit, and a plan shard groups whole storage chunks: a
+unit's buffer of one state kind is planned as at most ``max_shards_per_state``
+shards (``ModelSpec``). With the default 4 a 175B model has about 2,000 shards
+and a step about 10,000 ops, which plans in seconds, while the executor still
+does IO chunk by chunk inside each shard. Finer planning only matters when a
+budget is within a few chunks of the working set.
+
+[Note: step boundaries]
+A plan starts and ends with every persistent shard at its home slot and nothing
+else resident, so the same plan runs step after step. The cost is that the
+first units of the next forward are not prefetched across the boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Iterable
+
+from .arena import Arena
+from .ops import Access, Free, Load, Op, ShardId, ShardInfo, Store, SwapPlan
+from .sequence import Step, build_layout, build_steps, workspace_bytes
+from .sizes import format_size
+from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
+
+__all__ = ["plan_step", "lower_bounds", "POLICIES"]
+
+POLICIES = ("belady", "lru")
+_QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d", ("device", "host"): "d2h"}
+_NEVER = float("inf")
+
+
+class _Copy:
+    """One copy of a shard on one tier, as the walk goes."""
+
+    __slots__ = ("version", "slot", "ready", "readers", "last_use")
+
+    def __init__(self, *, version: int, slot: int | None, ready: int) -> None:
+        self.version = version
+        self.slot = slot
+        self.ready = ready
+        """Op that wrote this version here; -1 for a home copy present before the step."""
+        self.readers: list[int] = []
+        """Ops that read this version here since it was written."""
+        self.last_use = -1
+
+
+class _Walk:
+    def __init__(self, steps: list[Step], layout: dict[ShardId, ShardInfo], placement: Placement,
+                 budgets: Budgets, reserve_bytes: int, policy: str) -> None:
+        self.steps, self.layout, self.placement, self.budgets, self.policy = steps, layout, placement, budgets, policy
+        self.ops: list[Op] = []
+        self.step_op: list[int] = []
+        self.copies: dict[ShardId, dict[str, _Copy]] = {s: {} for s in layout}
+        self.latest: dict[ShardId, int] = dict.fromkeys(layout, 0)
+        self.resident: dict[str, dict[ShardId, None]] = {t: {} for t in TIERS}
+        self.arenas = {"device": Arena(budgets.device_bytes - reserve_bytes), "host": Arena(budgets.host_bytes)}
+        self.used = dict.fromkeys(TIERS, 0)
+        self.peak = dict.fromkeys(TIERS, 0)
+        self.peak["device"] = reserve_bytes
+        self._index_uses()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _index_uses(self) -> None:
+        # Positions where each shard must be readable on a tier. The host copy also serves
+        # every device read (it is the device's source), so those count as host uses too.
+        self.uses: dict[tuple[ShardId, str], list[int]] = {}
+        self.accesses: dict[ShardId, list[tuple[int, str, str]]] = {s: [] for s in self.layout}
+        for pos, step in enumerate(self.steps):
+            for need in step.needs:
+                self.accesses[need.shard].append((pos, need.tier, need.mode))
+                if "r" in need.mode:
+                    for tier in TIERS[TIERS.index(need.tier):2]:
+                        self.uses.setdefault((need.shard, tier), []).append(pos)
+
+    def place_homes(self) -> dict[ShardId, int | None]:
+        """Allocate every persistent shard's home copy before any step, so the homes pack at
+        the bottom of their arenas and never fragment them."""
+        slots: dict[ShardId, int | None] = {}
+        for shard in self.layout:
+            if shard.state in PERSISTENT_KINDS:
+                tier = self.placement.home(shard.state)
+                slot, _ = self._alloc(shard, tier, -1, frozenset())
+                self._add_copy(shard, tier, _Copy(version=0, slot=slot, ready=-1))
+                slots[shard] = slot
+        return slots
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _emit(self, op: Op) -> int:
+        assert all(0 <= d < len(self.ops) for d in op.deps), op
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+    def _add_copy(self, shard: ShardId, tier: str, copy: _Copy) -> None:
+        self.copies[shard][tier] = copy
+        self.resident[tier][shard] = None
+
+    def _home(self, shard: ShardId) -> str:
+        return self.placement.home(shard.state)
+
+    def _evictable(self, shard: ShardId, tier: str, pinned: frozenset) -> bool:
+        if (shard, tier) in pinned or tier == self._home(shard):
+            return False
+        latest, copies = self.latest[shard], self.copies[shard]
+        return copies[tier].version < latest or any(t != tier and c.version == latest for t, c in copies.items())
+
+    def _next_use(self, shard: ShardId, tier: str, pos: int) -> float:
+        uses = self.uses.get((shard, tier), ())
+        i = bisect.bisect_right(uses, pos)
+        return uses[i] if i < len(uses) else _NEVER
+
+    def _victim(self, tier: str, pos: int, pinned: frozenset) -> ShardId | None:
+        candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned)]
+        if not candidates:
+            return None
+        if self.policy == "lru":
+            return min(candidates, key=lambda s: self.copies[s][tier].last_use)
+        # Furthest next use first; among equals the larger shard frees more room.
+        return max(candidates, key=lambda s: (self._next_use(s, tier, pos), self.layout[s].nbytes))
+
+    # -- memory --------------------------------------------------------------------------------
+    def _alloc(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> tuple[int | None, tuple[int, ...]]:
+        nbytes = self.layout[shard].nbytes
+        cap = self.budgets.of(tier)
+        if tier == "nvme":
+            if cap is not None and self.used[tier] + nbytes > cap:
+                raise _OutOfBudget(tier)
+            self._account(tier, nbytes)
+            return None, ()
+        arena = self.arenas[tier]
+        while (got := arena.alloc(nbytes)) is None:
+            victim = self._victim(tier, pos, pinned)
+            if victim is None:
+                raise _OutOfBudget(tier)
+            self.free_copy(victim, tier)
+        self._account(tier, nbytes)
+        return got
+
+    def _account(self, tier: str, nbytes: int) -> None:
+        self.used[tier] += nbytes
+        extra = self.budgets.device_bytes - self.arenas["device"].capacity_bytes if tier == "device" else 0
+        self.peak[tier] = max(self.peak[tier], self.used[tier] + extra)
+
+    def free_copy(self, shard: ShardId, tier: str) -> None:
+        copy = self.copies[shard].pop(tier)
+        del self.resident[tier][shard]
+        deps = tuple(sorted(set(copy.readers) | ({copy.ready} if copy.ready >= 0 else set())))
+        idx = self._emit(Free(deps=deps, queue="mem", shard=shard, tier=tier, slot=copy.slot))
+        nbytes = self.layout[shard].nbytes
+        self.used[tier] -= nbytes
+        if tier != "nvme":
+            self.arenas[tier].free(copy.slot, nbytes, free_op=idx)
+
+    # -- moves ---------------------------------------------------------------------------------
+    def _target(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> tuple[_Copy, set[int]]:
+        """The copy on ``tier`` that an op is about to overwrite (allocated if missing) and the
+        ops the write must wait for: readers of the old version, its writer, the slot's frees."""
+        copy = self.copies[shard].get(tier)
+        if copy is None:
+            slot, frees = self._alloc(shard, tier, pos, pinned | {(shard, tier)})
+            copy = _Copy(version=-1, slot=slot, ready=-1)
+            self._add_copy(shard, tier, copy)
+            return copy, set(frees)
+        return copy, set(copy.readers) | ({copy.ready} if copy.ready >= 0 else set())
+
+    def move(self, shard: ShardId, src: str, dst: str, pos: int, pinned: frozenset) -> None:
+        source = self.copies[shard][src]
+        target, deps = self._target(shard, dst, pos, pinned | {(shard, src)})
+        if source.ready >= 0:
+            deps.add(source.ready)
+        cls = Load if TIERS.index(dst) < TIERS.index(src) else Store
+        idx = self._emit(cls(deps=tuple(sorted(deps)), queue=_QUEUE[(src, dst)], nbytes=self.layout[shard].nbytes,
+                             inputs=(Access(shard, src, source.slot),), outputs=(Access(shard, dst, target.slot),)))
+        source.readers.append(idx)
+        source.last_use = target.last_use = pos
+        target.version, target.ready, target.readers = source.version, idx, []
+
+    def _path(self, src: str, dst: str) -> list[tuple[str, str]]:
+        i, j = TIERS.index(src), TIERS.index(dst)
+        step = 1 if j > i else -1
+        return [(TIERS[k], TIERS[k + step]) for k in range(i, j, step)]
+
+    def ensure(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> _Copy:
+        """Make the latest version of ``shard`` resident on ``tier``, from the nearest tier."""
+        copies, latest = self.copies[shard], self.latest[shard]
+        if tier in copies and copies[tier].version == latest:
+            return copies[tier]
+        sources = [t for t, c in copies.items() if c.version == latest]
+        assert sources, f"no up-to-date copy of {shard}"
+        src = min(sources, key=lambda t: abs(TIERS.index(t) - TIERS.index(tier)))
+        for a, b in self._path(src, tier):
+            self.move(shard, a, b, pos, pinned)
+        return copies[tier]
+
+    def write_back(self, shard: ShardId, tier: str, pos: int) -> None:
+        pinned = frozenset((shard, t) for t in TIERS)
+        for a, b in self._path(tier, self._home(shard)):
+            self.move(shard, a, b, pos, pinned)
+
+    # -- the walk ------------------------------------------------------------------------------
+    def run_step(self, pos: int, step: Step) -> None:
+        pinned = frozenset((n.shard, n.tier) for n in step.needs)
+        deps: set[int] = {self.step_op[a] for a in step.after}
+        inputs, outputs = [], []
+        for need in step.needs:
+            if "r" in need.mode:
+                copy = self.ensure(need.shard, need.tier, pos, pinned)
+                deps.update([copy.ready] if copy.ready >= 0 else [])
+                inputs.append(Access(need.shard, need.tier, copy.slot))
+        targets = []
+        for need in step.needs:
+            if "w" in need.mode:
+                copy, wait = self._target(need.shard, need.tier, pos, pinned)
+                deps |= wait
+                targets.append((need, copy))
+                outputs.append(Access(need.shard, need.tier, copy.slot))
+        idx = self._emit(step.op_type(deps=tuple(sorted(deps)), queue=step.queue, inputs=tuple(inputs),
+                                      outputs=tuple(outputs), **step.fields))
+        self.step_op.append(idx)
+        for acc in inputs:
+            copy = self.copies[acc.shard][acc.tier]
+            copy.readers.append(idx)
+            copy.last_use = pos
+        for need, copy in targets:
+            self._written(need, copy, idx, pos)
+        for shard in {n.shard for n in step.needs}:
+            if shard.state not in PERSISTENT_KINDS and self._next_access(shard, pos) is None:
+                for tier in list(self.copies[shard]):  # dead gradient: nothing needs it any more
+                    self.free_copy(shard, tier)
+
+    def _written(self, need, copy: _Copy, idx: int, pos: int) -> None:
+        shard = need.shard
+        self.latest[shard] += 1
+        copy.version, copy.ready, copy.readers, copy.last_use = self.latest[shard], idx, [], pos
+        for tier in [t for t in self.copies[shard] if t != need.tier and t != self._home(shard)]:
+            self.free_copy(shard, tier)  # stale cache copies only waste budget
+        nxt = self._next_access(shard, pos)
+        if nxt is None and shard.state not in PERSISTENT_KINDS:
+            return
+        if need.tier != self._home(shard) and not (nxt is not None and nxt[1] == need.tier and "w" in nxt[2]):
+            self.write_back(shard, need.tier, pos)
+
+    def _next_access(self, shard: ShardId, pos: int) -> tuple[int, str, str] | None:
+        acc = self.accesses[shard]
+        i = bisect.bisect_right(acc, (pos, "~", "~"))
+        return acc[i] if i < len(acc) else None
+
+    def finish(self) -> None:
+        for shard, copies in self.copies.items():
+            for tier in [t for t in copies if t != self._home(shard)]:
+                self.free_copy(shard, tier)
+            assert shard.state not in PERSISTENT_KINDS or copies[self._home(shard)].version == self.latest[shard]
+
+
+class _OutOfBudget(Exception):
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+
+
+def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) -> dict[str, int]:
+    """Bytes each tier needs at the very least under ``placement``: its home copies, plus the
+    largest set of non-home shards one step reads or writes there at once (plus one shard of
+    staging on the host when data passes through it), plus the device reserve."""
+    layout = build_layout(model, strategy)
+    steps = build_steps(model, strategy, placement, layout)
+    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and placement.home(s.state) == t)
+            for t in TIERS}
+    bounds = dict(home)
+    for tier in TIERS:
+        working = [sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
+                       if not (n.shard.state in PERSISTENT_KINDS and placement.home(n.shard.state) == tier))
+                   for step in steps]
+        bounds[tier] += max(working, default=0)
+    # Params and grads reach the device from NVMe (and back) through a host staging copy.
+    if "nvme" in (placement.params, placement.grads):
+        bounds["host"] += max(i.nbytes for i in layout.values())
+    bounds["device"] += model.activation_bytes + workspace_bytes(model, strategy)
+    return bounds
+
+
+def _distinct(needs: Iterable, tier: str) -> list:
+    seen, out = set(), []
+    for n in needs:
+        if n.tier == tier and n.shard not in seen:
+            seen.add(n.shard)
+            out.append(n)
+    return out
+
+
+def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
+              policy: str = "belady") -> SwapPlan:
+    """Plan one training step of one rank under a resolved placement (no ``auto``; see
+    ``search.plan_auto``). Raises ``ValueError`` naming the tier and the bytes it needs when
+    a budget is too small."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if not placement.is_resolved:
+        raise ValueError(f"plan_step needs a resolved placement, got {placement}; use plan_auto for 'auto'")
+    if strategy.name == "node" and placement.optimizer != "host":
+        placement = Placement(params=placement.params, grads=placement.grads, optimizer="host")
+    reserve = model.activation_bytes + workspace_bytes(model, strategy)
+    if reserve > budgets.device_bytes:
+        raise ValueError(f"device budget {format_size(budgets.device_bytes)} is smaller than the "
+                         f"{format_size(reserve)} that activations and collective workspaces need; "
+                         f"raise it or lower the batch size / sequence length")
+    layout = build_layout(model, strategy)
+    walk = _Walk(build_steps(model, strategy, placement, layout), layout, placement, budgets, reserve, policy)
+    try:
+        home_slots = walk.place_homes()
+        for pos, step in enumerate(walk.steps):
+            walk.run_step(pos, step)
+        walk.finish()
+    except _OutOfBudget as exc:
+        raise ValueError(_budget_message(exc.tier, model, budgets, placement, strategy)) from None
+    return SwapPlan(ops=tuple(walk.ops), shards=layout, homes={s: placement.home(s) for s in _kinds(layout)},
+                    budgets=budgets, arena_bytes={t: a.capacity_bytes for t, a in walk.arenas.items()},
+                    device_reserve_bytes=reserve, strategy=strategy, policy=policy, home_slots=home_slots,
+                    peak_bytes=walk.peak)
+
+
+def _kinds(layout: dict[ShardId, ShardInfo]) -> list[str]:
+    return sorted({s.state for s in layout})
+
+
+def _budget_message(tier: str, model: ModelSpec, budgets: Budgets, placement: Placement, strategy: Strategy) -> str:
+    need = lower_bounds(model, placement=placement, strategy=strategy)[tier]
+    have = budgets.of(tier)
+    where = f"with params on {placement.params}, optimizer state on {placement.optimizer}, grads on {placement.grads}"
+    if need > have:
+        return (f"{tier} budget {format_size(have)} is too small {where}: "
+                f"needs at least {format_size(need)} of {tier} {'memory' if tier != 'nvme' else 'space'}")
+    return (f"{tier} budget {format_size(have)} is too small {where}: the largest working set "
+            f"({format_size(need)}) fits, but shards kept between uses and arena fragmentation need more; "
+            f"give {tier} more room or use smaller chunks")
+

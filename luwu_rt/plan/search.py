@@ -1,0 +1,116 @@
+"""``auto`` placement: the fastest placement that fits, or why nothing does.
+
+Every way of resolving the ``auto`` fields of a ``Placement`` is a candidate.
+Candidates whose lower bounds (``planner.lower_bounds``) exceed a budget are
+dropped without planning; the rest are planned fastest tiers first, and a
+candidate is skipped once a planned one keeps every state on a tier at least as
+fast (it could only move more bytes). The survivor with the smallest predicted
+step time wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .cost import StepCost, estimate
+from .ops import SwapPlan
+from .planner import lower_bounds, plan_step
+from .sizes import format_size
+from .spec import TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
+
+__all__ = ["DoesNotFit", "PlanResult", "plan_auto"]
+
+_FIELDS = ("params", "optimizer", "grads")
+
+
+class DoesNotFit(ValueError):
+    """No placement fits the budgets. ``needs`` maps each remedy to the bytes it takes."""
+
+    def __init__(self, message: str, *, needs: dict[str, int]) -> None:
+        super().__init__(message)
+        self.needs = needs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    plan: SwapPlan
+    cost: StepCost
+    placement: Placement
+    """The placement planned, ``auto`` fields resolved."""
+
+
+def _candidates(placement: Placement) -> list[Placement]:
+    options = [TIERS if getattr(placement, f) == "auto" else (getattr(placement, f),) for f in _FIELDS]
+    out = [Placement(**dict(zip(_FIELDS, combo))) for combo in itertools.product(*options)]
+    return sorted(out, key=_rank)
+
+
+def _rank(p: Placement) -> tuple[int, ...]:
+    ranks = tuple(TIERS.index(getattr(p, f)) for f in _FIELDS)
+    return (sum(ranks),) + ranks
+
+
+def _dominates(a: Placement, b: Placement) -> bool:
+    return all(TIERS.index(getattr(a, f)) <= TIERS.index(getattr(b, f)) for f in _FIELDS)
+
+
+def _fits(bounds: dict[str, int], budgets: Budgets) -> bool:
+    return all(budgets.of(t) is None or bounds[t] <= budgets.of(t) for t in TIERS)
+
+
+def plan_auto(model: ModelSpec, *, budgets: Budgets, placement: Placement = Placement(),
+              strategy: Strategy = Strategy(), profile: HardwareProfile = HardwareProfile(),
+              policy: str = "belady") -> PlanResult:
+    """Plan one step, resolving ``auto`` placements to the fastest that fits.
+
+    Raises ``DoesNotFit`` (a ``ValueError``) stating the memory that would make it fit."""
+    best: PlanResult | None = None
+    planned: list[Placement] = []
+    errors: list[str] = []
+    for cand in _candidates(placement):
+        if any(_dominates(p, cand) for p in planned):
+            continue
+        if not _fits(lower_bounds(model, placement=cand, strategy=strategy), budgets):
+            continue
+        try:
+            plan = plan_step(model, budgets=budgets, placement=cand, strategy=strategy, policy=policy)
+        except ValueError as exc:
+            errors.append(str(exc))
+            continue
+        planned.append(cand)
+        cost = estimate(plan, profile)
+        if best is None or cost.predicted_step_s < best.cost.predicted_step_s:
+            best = PlanResult(plan=plan, cost=cost, placement=cand)
+    if best is None:
+        raise _does_not_fit(model, budgets=budgets, placement=placement, strategy=strategy, errors=errors)
+    return best
+
+
+def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy,
+                  errors: list[str]) -> DoesNotFit:
+    """The two remedies: enough host memory for the fastest host-only placement, or NVMe for
+    every state with the host memory that NVMe streaming needs."""
+    candidates = _candidates(placement)
+    bounds = {c: lower_bounds(model, placement=c, strategy=strategy) for c in candidates}
+    device_ok = [c for c in candidates if bounds[c]["device"] <= budgets.device_bytes]
+    if not device_ok:
+        need = min(b["device"] for b in bounds.values())
+        return DoesNotFit(f"does not fit: needs at least {format_size(need)} of device memory "
+                          f"(budget {format_size(budgets.device_bytes)})", needs={"device_bytes": need})
+    in_memory = [c for c in device_ok if "nvme" not in (c.params, c.optimizer, c.grads)]
+    on_nvme = [c for c in device_ok if "nvme" in (c.params, c.optimizer, c.grads)]
+    needs: dict[str, int] = {}
+    parts = []
+    if in_memory:
+        needs["host_bytes"] = min(bounds[c]["host"] for c in in_memory)
+        parts.append(f"{format_size(needs['host_bytes'])} of host memory")
+    if on_nvme:
+        best = min(on_nvme, key=lambda c: (bounds[c]["host"], bounds[c]["nvme"]))
+        needs["nvme_bytes"], needs["nvme_host_bytes"] = bounds[best]["nvme"], bounds[best]["host"]
+        parts.append(f"{format_size(needs['nvme_bytes'])} of NVMe (with {format_size(needs['nvme_host_bytes'])} "
+                     f"of host memory)")
+    message = "does not fit: needs at least " + " or ".join(parts)
+    if errors:
+        message += f" [closest attempt: {errors[-1]}]"
+    return DoesNotFit(message, needs=needs)

@@ -1,0 +1,192 @@
+"""The access sequence of one training step, before any placement decision.
+
+``build_layout`` cuts every unit's state buffers into shards; ``build_steps``
+lists the logical ops of one step in order (F0..F(L-1), B(L-1)..B0, and after
+the backward op that makes a unit's gradients final, its collective and its
+optimizer step) with the shard copies each one needs and on which tier. The
+planner turns this list into a ``SwapPlan`` by adding the moves and frees.
+
+[Note: strategies as access sequences]
+Per rank, a strategy changes two things: which states are sharded (the rank
+holds ceil(numel / ways) elements of them) and which collectives run.
+  local   -
+  ddp     Reduce (all-reduce) of each unit's grads, in place on the device.
+  zero1/2 grads and optimizer state sharded: backward writes full grads into a
+          device workspace, Reduce (reduce-scatter) leaves this rank's slice in
+          the store, OptimStep updates the slice, Gather (all-gather) rebuilds
+          the full parameters on the device. ZeRO-1 keeps full-size gradient
+          buffers, so its workspace holds all of them.
+  zero3   also parameters sharded: a Gather before each F and B assembles the
+          unit in a (double-buffered) workspace; OptimStep writes the slice.
+  hsdp    zero3 inside groups of G ranks; Reduce also all-reduces the slice
+          across the world_size / G groups.
+  node    no optimizer state on the worker: Push sends grads to the optimizer
+          node, Pull receives the updated parameters (after the node stepped).
+Workspaces are not planned shard by shard: they are reserved on the device
+beside the activations (``workspace_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .ops import Compute, Gather, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
+from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
+
+__all__ = ["Need", "Step", "build_layout", "build_steps", "workspace_bytes", "full_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    shard: ShardId
+    tier: str
+    mode: str
+    """``r`` (read the latest version), ``w`` (overwrite: no load needed) or ``rw``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A logical op: the planner emits ``op_type(**fields)`` with deps and accesses filled in."""
+
+    op_type: type
+    queue: str
+    fields: dict
+    needs: tuple[Need, ...]
+    after: tuple[int, ...] = ()
+    """Earlier steps that must finish first for a reason other than data (e.g. Pull after Push)."""
+
+
+def _states(strategy: Strategy) -> tuple[str, ...]:
+    return ("param", "grad") if strategy.name == "node" else STATE_KINDS
+
+
+def build_layout(model: ModelSpec, strategy: Strategy) -> dict[ShardId, ShardInfo]:
+    """Every shard of this rank, sized per the strategy and grouped into plan shards."""
+    layout: dict[ShardId, ShardInfo] = {}
+    ways = strategy.shard_ways
+    for u, unit in enumerate(model.units):
+        for state in _states(strategy):
+            elem = model.element_bytes(state)
+            numel = ceil_div(unit.num_params, ways) if strategy.sharded(state) else unit.num_params
+            total = align_up(numel * elem)
+            num_chunks = ceil_div(total, model.chunk_bytes)
+            per_shard = ceil_div(num_chunks, min(model.max_shards_per_state, num_chunks))
+            elems_per_chunk = model.chunk_bytes // elem
+            for i, first in enumerate(range(0, num_chunks, per_shard)):
+                count = min(per_shard, num_chunks - first)
+                nbytes = min(count * model.chunk_bytes, total - first * model.chunk_bytes)
+                shard_numel = min(count * elems_per_chunk, numel - first * elems_per_chunk)
+                layout[ShardId(u, state, i)] = ShardInfo(nbytes, max(shard_numel, 0), first, count)
+    return layout
+
+
+def full_bytes(model: ModelSpec, unit: int, state: str) -> int:
+    """Bytes of one unit's whole (unsharded) buffer of ``state``."""
+    return align_up(model.units[unit].num_params * model.element_bytes(state))
+
+
+def _reads(model: ModelSpec, k: int) -> tuple[int, ...]:
+    return (k,) + model.units[k].reads
+
+
+def workspace_bytes(model: ModelSpec, strategy: Strategy) -> int:
+    """Device bytes outside the planned store that the strategy's collectives need."""
+    units = range(len(model.units))
+    grad_ws = max(full_bytes(model, u, "grad") for u in units)
+    tied = {r for u in units for r in model.units[u].reads}
+    # A tied unit's full gradient accumulates across several backward ops before its reduce.
+    grad_ws += sum(full_bytes(model, u, "grad") for u in tied)
+    unit_params = max(sum(full_bytes(model, r, "param") for r in _reads(model, k)) for k in units)
+    return {
+        "zero1": sum(full_bytes(model, u, "grad") for u in units),
+        "zero2": grad_ws,
+        "zero3": grad_ws + 2 * unit_params,
+        "hsdp": grad_ws + 2 * unit_params,
+    }.get(strategy.name, 0)
+
+
+def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
+                layout: dict[ShardId, ShardInfo]) -> list[Step]:
+    """The logical ops of one step, in the order the plan lists them."""
+    shards_of: dict[tuple[int, str], list[ShardId]] = {}
+    for sid in layout:
+        shards_of.setdefault((sid.unit, sid.state), []).append(sid)
+
+    def needs(units: tuple[int, ...], state: str, tier: str, mode: str) -> tuple[Need, ...]:
+        return tuple(Need(s, tier, mode) for u in units for s in shards_of[(u, state)])
+
+    def numel(u: int, state: str) -> int:
+        return sum(layout[s].numel for s in shards_of[(u, state)])
+
+    num_units = len(model.units)
+    gathers = strategy.name in ("zero3", "hsdp")
+    steps: list[Step] = []
+
+    def compute(phase: str, k: int, grad_needs: tuple[Need, ...]) -> None:
+        after: tuple[int, ...] = ()
+        param_needs = needs(_reads(model, k), "param", "device", "r")
+        if gathers:
+            comm = sum(full_bytes(model, r, "param") for r in _reads(model, k))
+            steps.append(Step(Gather, "comm", dict(unit=k, collective="all_gather",
+                                                  comm_bytes=_ring(comm, strategy.shard_ways)), param_needs))
+            after, param_needs = (len(steps) - 1,), ()
+        flops = model.units[k].flops_per_token * model.tokens_per_step * (1 if phase == "F" else 3)
+        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, flops=flops),
+                          param_needs + grad_needs, after))
+
+    for k in range(num_units):
+        compute("F", k, ())
+    # Backward runs k = L-1..0; a unit's grads are final after the lowest k that reads it.
+    last_writer = {u: min(k for k in range(num_units) if u in _reads(model, k)) for u in range(num_units)}
+    written: set[int] = set()
+    for k in reversed(range(num_units)):
+        grad_needs: tuple[Need, ...] = ()
+        if not strategy.sharded("grad"):
+            grad_needs = tuple(n for u in _reads(model, k)
+                               for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
+        written.update(_reads(model, k))
+        compute("B", k, grad_needs)
+        for u in sorted((u for u, w in last_writer.items() if w == k), reverse=True):
+            _post_backward(model, strategy, placement, u, needs, numel, steps)
+    return steps
+
+
+def _ring(num_bytes: int, ways: int) -> int:
+    """Bytes each rank sends in a ring all-gather / reduce-scatter of ``num_bytes``."""
+    return num_bytes * (ways - 1) // ways
+
+
+def _post_backward(model: ModelSpec, strategy: Strategy, placement: Placement, u: int,
+                   needs: Callable[..., tuple[Need, ...]], numel: Callable[[int, str], int], steps: list[Step]) -> None:
+    """Collectives and the optimizer step of unit ``u`` once its gradients are final."""
+    name, world = strategy.name, strategy.world_size
+    grad_full = full_bytes(model, u, "grad")
+    if name == "node":
+        steps.append(Step(Push, "comm", dict(unit=u, collective="p2p", comm_bytes=grad_full),
+                          needs((u,), "grad", "device", "r")))
+        steps.append(Step(Pull, "comm", dict(unit=u, collective="p2p", comm_bytes=full_bytes(model, u, "param")),
+                          needs((u,), "param", "device", "w"), (len(steps) - 1,)))
+        return
+    if name == "ddp":
+        steps.append(Step(Reduce, "comm", dict(unit=u, collective="all_reduce", comm_bytes=2 * _ring(grad_full, world)),
+                          needs((u,), "grad", "device", "rw")))
+    elif name != "local":
+        ways = strategy.shard_ways
+        comm = _ring(grad_full, ways)
+        if name == "hsdp" and world > ways:
+            comm += 2 * _ring(ceil_div(grad_full, ways), world // ways)
+        steps.append(Step(Reduce, "comm", dict(unit=u, collective="hierarchical" if name == "hsdp" else "reduce_scatter",
+                                               comm_bytes=comm),
+                          needs((u,), "grad", "device", "w"), (len(steps) - 1,)))
+    tier = placement.optim_tier
+    optim_needs = needs((u,), "grad", tier, "r") + tuple(n for s in OPTIMIZER_KINDS for n in needs((u,), s, tier, "rw"))
+    writes_param = name not in ("zero1", "zero2")
+    if writes_param:
+        optim_needs += needs((u,), "param", tier, "w")
+    steps.append(Step(OptimStep, "compute" if tier == "device" else "optim",
+                      dict(unit=u, num_params=numel(u, "master"), tier=tier), optim_needs))
+    if not writes_param:
+        steps.append(Step(Gather, "comm", dict(unit=u, collective="all_gather",
+                                               comm_bytes=_ring(full_bytes(model, u, "param"), strategy.shard_ways)),
+                          needs((u,), "param", "device", "w"), (len(steps) - 1,)))

@@ -1,0 +1,259 @@
+"""The planner's inputs: model, placement, budgets, hardware and strategy.
+
+All frozen dataclasses of plain numbers, so a plan is a pure function of them
+and a test can build any of them by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "STRATEGIES", "ALIGN_BYTES",
+    "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy", "gpt_model_spec",
+]
+
+TIERS = ("device", "host", "nvme")
+"""Fastest first. Data moves only between neighbours: device <-> host <-> nvme."""
+STATE_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
+PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
+"""Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it."""
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
+PLACEMENT_CHOICES = ("device", "host", "nvme", "auto")
+ALIGN_BYTES = 4096
+"""O_DIRECT alignment: every state buffer and chunk is a multiple of this."""
+
+
+def _check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitSpec:
+    """One unit of streaming: the embedding, a transformer block or the head."""
+
+    name: str
+    """For messages and op names, e.g. ``block3``."""
+    num_params: int
+    """Parameters the unit owns (its flat buffers hold this many elements)."""
+    reads: tuple[int, ...] = ()
+    """Other units whose parameters this unit's compute reads: a tied head reads the embedding."""
+    flops_per_token: int = 0
+    """Forward FLOPs per token; backward with recompute costs three times this."""
+
+    def __post_init__(self) -> None:
+        _check_positive(f"UnitSpec({self.name})", num_params=self.num_params)
+        if self.flops_per_token < 0:
+            raise ValueError(f"UnitSpec({self.name}).flops_per_token must not be negative")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A chain of units and the per-step workload that runs through it."""
+
+    units: tuple[UnitSpec, ...]
+    """In forward order."""
+    param_bytes: int = 2
+    """Bytes per element of the compute copy of the parameters (bf16: 2)."""
+    grad_bytes: int = 2
+    """Bytes per element of gradients as backward produces them."""
+    chunk_bytes: int = 64 * 2**20
+    """Size of one storage chunk (the unit of IO and of collectives); a multiple of 4 KiB."""
+    max_shards_per_state: int = 4
+    """Planning granularity: each unit's buffer of one state kind is planned as at most this
+    many shards of whole chunks. See [Note: plan granularity] in planner.py."""
+    tokens_per_step: int = 0
+    """Tokens in one step (batch size x sequence length); 0 plans IO only."""
+    activation_bytes: int = 0
+    """Device memory kept for activations (saved unit inputs, recompute workspace, logits)."""
+
+    def __post_init__(self) -> None:
+        if not self.units:
+            raise ValueError("ModelSpec.units is empty: a model needs at least one unit")
+        _check_positive("ModelSpec", param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
+                        chunk_bytes=self.chunk_bytes, max_shards_per_state=self.max_shards_per_state)
+        if self.chunk_bytes % ALIGN_BYTES:
+            raise ValueError(f"ModelSpec.chunk_bytes={self.chunk_bytes} is not a multiple of {ALIGN_BYTES} (O_DIRECT)")
+        if min(self.tokens_per_step, self.activation_bytes) < 0:
+            raise ValueError("ModelSpec.tokens_per_step and activation_bytes must not be negative")
+        for i, unit in enumerate(self.units):
+            bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i]
+            if bad:
+                raise ValueError(f"unit {unit.name} reads unit(s) {bad}, which are not other units of the model")
+
+    @property
+    def num_params(self) -> int:
+        return sum(u.num_params for u in self.units)
+
+    def element_bytes(self, state: str) -> int:
+        return {"param": self.param_bytes, "grad": self.grad_bytes}.get(state, 4)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Home tier of each state kind: where it lives between uses."""
+
+    params: str = "auto"
+    """Compute copy of the parameters: ``device``, ``host``, ``nvme`` or ``auto``."""
+    optimizer: str = "auto"
+    """fp32 master weights and both Adam moments; the optimizer runs on the device only when
+    these live there, else on the host CPU."""
+    grads: str = "auto"
+    """Gradients between backward and the optimizer step."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) not in PLACEMENT_CHOICES:
+                raise ValueError(f"placement {f.name}={getattr(self, f.name)!r}: choose one of {', '.join(PLACEMENT_CHOICES)}")
+
+    @property
+    def is_resolved(self) -> bool:
+        return "auto" not in (self.params, self.optimizer, self.grads)
+
+    def home(self, state: str) -> str:
+        return {"param": self.params, "grad": self.grads}.get(state, self.optimizer)
+
+    @property
+    def optim_tier(self) -> str:
+        return "device" if self.optimizer == "device" else "host"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Budgets:
+    """Bytes the plan may use on each tier."""
+
+    device_bytes: int
+    """Device (GPU, or the budgeted CPU arena without one), activations included."""
+    host_bytes: int
+    """The pinned host arena."""
+    nvme_bytes: int | None = None
+    """NVMe capacity; ``None`` when unlimited or unknown."""
+
+    def __post_init__(self) -> None:
+        if self.device_bytes < 0 or self.host_bytes < 0 or (self.nvme_bytes is not None and self.nvme_bytes < 0):
+            raise ValueError(f"budgets must not be negative: {self}")
+
+    def of(self, tier: str) -> int | None:
+        return {"device": self.device_bytes, "host": self.host_bytes}.get(tier, self.nvme_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile:
+    """Throughputs the cost model divides by. The defaults describe a single-GPU server with
+    one PCIe 4 NVMe drive; ``luwu bench`` measures the real ones (``from_json``)."""
+
+    nvme_read_gbps: float = 3.0
+    """NVMe -> host, GB/s (1e9 bytes/s), O_DIRECT with a deep queue."""
+    nvme_write_gbps: float = 2.0
+    """Host -> NVMe, GB/s."""
+    h2d_gbps: float = 12.0
+    """Pinned host -> device copies, GB/s (PCIe 4 x16 in practice)."""
+    d2h_gbps: float = 12.0
+    """Device -> pinned host copies, GB/s."""
+    host_optim_params_per_s: float = 1.5e9
+    """Fused CPU AdamW, fp32 master + moments (PERFORMANCE.md measures ~1.9e9 on 2 AVX-512 cores)."""
+    device_optim_params_per_s: float = 50e9
+    """AdamW on the device: HBM bandwidth / 28 bytes per parameter."""
+    compute_flops: float = 100e12
+    """Sustained device FLOP/s of bf16 training (about a third of an A100's peak)."""
+    net_gbps: float = 10.0
+    """Per-rank collective bandwidth (bus bandwidth), GB/s."""
+
+    def __post_init__(self) -> None:
+        _check_positive("HardwareProfile", **{f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "HardwareProfile":
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown hardware profile key(s) {unknown}; valid keys: {', '.join(valid)}")
+        return cls(**{k: float(v) for k, v in values.items()})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "HardwareProfile":
+        """Read a JSON object of the fields above (e.g. written by ``luwu bench``); missing keys keep
+        their defaults."""
+        try:
+            values = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hardware profile {path}: not valid JSON ({exc})") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"hardware profile {path}: expected a JSON object of throughputs")
+        return cls.from_dict(values)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Strategy:
+    """Data-parallel strategy and the world this rank belongs to."""
+
+    name: str = "local"
+    """One of ``local``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, ``node``."""
+    world_size: int = 1
+    """Data-parallel ranks (workers, for ``node``)."""
+    group_size: int = 0
+    """``hsdp`` only: ranks per sharding group; 0 means min(8, world_size)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGIES)}")
+        _check_positive("Strategy", world_size=self.world_size)
+        if self.name == "local" and self.world_size != 1:
+            raise ValueError(f"strategy local runs one process; world_size={self.world_size} needs ddp, zero1/2/3, hsdp or node")
+        if self.group_size < 0 or (self.group_size and self.world_size % self.group_size):
+            raise ValueError(f"hsdp group_size={self.group_size} must divide world_size={self.world_size}")
+
+    @property
+    def shard_ways(self) -> int:
+        """Ranks that each own a slice of the sharded states."""
+        if self.name == "hsdp":
+            return self.group_size or min(8, self.world_size)
+        return self.world_size if self.name in ("zero1", "zero2", "zero3") else 1
+
+    def sharded(self, state: str) -> bool:
+        """Whether this rank holds only 1/shard_ways of ``state``."""
+        if self.name in ("zero1", "zero2"):
+            return state in OPTIMIZER_KINDS or state == "grad"
+        return self.name in ("zero3", "hsdp")
+
+
+def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, chunk_bytes: int = 64 * 2**20,
+                   max_shards_per_state: int = 4) -> ModelSpec:
+    """Units of a built-in GPT (``luwu_rt.models.presets.GPTShape``): embedding, blocks, head.
+
+    A tied head reads the embedding's parameters, so the embedding unit is accessed at F0,
+    F_head, B_head and B0. FLOPs follow Kaplan et al. (2020): 2 per parameter per token plus
+    2 x seq_len x d_model per block for attention. Activations follow Korthikanti et al.
+    (2022), bf16: each unit's saved input, one block's recompute workspace, fp32 logits.
+    """
+    seq_len = seq_len or shape.max_seq_len
+    if batch_size <= 0 or not 0 < seq_len <= shape.max_seq_len:
+        raise ValueError(f"batch_size={batch_size} must be positive and seq_len={seq_len} in 1..{shape.max_seq_len}")
+    d, tokens = shape.d_model, batch_size * seq_len
+    head_matmul = shape.vocab_size * d
+    units = [UnitSpec(name="embedding", num_params=shape.embedding_params, flops_per_token=0)]
+    units += [UnitSpec(name=f"block{i}", num_params=shape.block_params,
+                       flops_per_token=2 * shape.block_params + 2 * seq_len * d) for i in range(shape.num_layers)]
+    units.append(UnitSpec(name="head", num_params=shape.head_params, reads=(0,) if shape.tie_embeddings else (),
+                          flops_per_token=2 * (shape.head_params + (head_matmul if shape.tie_embeddings else 0))))
+    saved_inputs = len(units) * tokens * d * 2
+    block_workspace = tokens * d * (34 + 5 * shape.num_heads * seq_len // d)
+    logits = 2 * tokens * shape.vocab_size * 4
+    return ModelSpec(units=tuple(units), tokens_per_step=tokens, chunk_bytes=chunk_bytes,
+                     max_shards_per_state=max_shards_per_state,
+                     activation_bytes=saved_inputs + block_workspace + logits)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align_up(num_bytes: int) -> int:
+    return math.ceil(num_bytes / ALIGN_BYTES) * ALIGN_BYTES

@@ -1,0 +1,204 @@
+"""Invariant checker for ``SwapPlan``: replays a plan and rejects it at the first op that
+breaks one of the rules of [Note: plan semantics] (ops.py).
+
+Checked for every op, in plan order and - because an executor runs ops as soon as
+their dependencies allow - also against the dependency graph:
+
+* budgets: bytes on each tier never exceed its budget (device: reserve included);
+* residency: every input is a copy holding the shard's latest version;
+* no read while written: an input's writer is an ancestor of the reader, and a write
+  waits for every read of the version it overwrites;
+* persistence: a ``Free`` never drops the only up-to-date copy of a shard that is
+  persistent or read again later, and the step ends with every persistent shard's
+  latest version in its home slot and nothing else resident;
+* arenas: every copy lies inside its arena, no two live copies overlap, and a copy
+  reusing freed bytes depends on the ``Free`` that released them.
+"""
+
+from __future__ import annotations
+
+from .ops import Free, Load, Op, ShardId, Store, SwapPlan
+from .sizes import format_size
+from .spec import PERSISTENT_KINDS, TIERS
+
+__all__ = ["PlanError", "validate"]
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message names the op and the rule."""
+
+
+class _Copy:
+    __slots__ = ("version", "slot", "writer", "readers")
+
+    def __init__(self, version: int, slot: int | None, writer: int | None) -> None:
+        self.version, self.slot, self.writer = version, slot, writer
+        self.readers: list[int] = []
+
+
+class _Replay:
+    def __init__(self, plan: SwapPlan) -> None:
+        self.plan = plan
+        self.copies: dict[tuple[ShardId, str], _Copy] = {}
+        self.latest: dict[ShardId, int] = dict.fromkeys(plan.shards, 0)
+        self.used = dict.fromkeys(TIERS, 0)
+        self.live: dict[str, dict[int, tuple[int, ShardId]]] = {"device": {}, "host": {}}
+        self.freed: dict[str, list[tuple[int, int, int]]] = {"device": [], "host": []}
+        self.anc: list[int] = []
+        self.last_read: dict[ShardId, int] = {}
+        for i, op in enumerate(plan.ops):
+            for acc in op.inputs:
+                self.last_read[acc.shard] = i
+        self.op_index = -1
+
+    def fail(self, message: str) -> PlanError:
+        if self.op_index < 0:
+            return PlanError(f"initial state: {message}")
+        op = self.plan.ops[self.op_index]
+        return PlanError(f"op {self.op_index} ({op.kind} on {op.queue}): {message}")
+
+    def before(self, dep: int | None) -> bool:
+        """Whether op ``dep`` must finish before the current op starts."""
+        return dep is None or bool((self.anc[self.op_index] >> dep) & 1)
+
+    def budget(self, tier: str) -> int | None:
+        b = self.plan.budgets.of(tier)
+        if b is not None and tier == "device":
+            b -= self.plan.device_reserve_bytes
+        return b
+
+    # -- copies ---------------------------------------------------------------------------
+    def add(self, shard: ShardId, tier: str, slot: int | None, version: int, writer: int | None) -> _Copy:
+        nbytes = self.plan.shards[shard].nbytes
+        cap = self.budget(tier)
+        if cap is not None and self.used[tier] + nbytes > cap:
+            raise self.fail(f"{tier} would hold {format_size(self.used[tier] + nbytes)}, over its budget "
+                            f"{format_size(cap)} (placing {shard})")
+        self.used[tier] += nbytes
+        if tier != "nvme":
+            self._place(shard, tier, slot, nbytes)
+        copy = self.copies[(shard, tier)] = _Copy(version, slot, writer)
+        return copy
+
+    def _place(self, shard: ShardId, tier: str, slot: int | None, nbytes: int) -> None:
+        arena = self.plan.arena_bytes[tier]
+        if slot is None or slot < 0 or slot + nbytes > arena:
+            raise self.fail(f"{shard} on {tier} at slot {slot} does not lie inside the {arena}-byte arena")
+        end = slot + nbytes
+        for start, (stop, other) in self.live[tier].items():
+            if start < end and slot < stop:
+                raise self.fail(f"{shard} at {tier}[{slot}:{end}] overlaps live {other} at [{start}:{stop}]")
+        kept = []
+        for start, stop, free_op in self.freed[tier]:
+            if start < end and slot < stop:
+                if not self.before(free_op):
+                    raise self.fail(f"{shard} reuses {tier}[{max(start, slot)}:{min(stop, end)}] without "
+                                    f"depending on op {free_op}, the Free that released it")
+                # The part under the new copy is now guarded by that copy's own Free.
+                kept += [(a, b, free_op) for a, b in ((start, slot), (end, stop)) if a < b]
+            else:
+                kept.append((start, stop, free_op))
+        self.freed[tier] = kept
+        self.live[tier][slot] = (end, shard)
+
+    def drop(self, shard: ShardId, tier: str) -> None:
+        copy = self.copies.pop((shard, tier))
+        self.used[tier] -= self.plan.shards[shard].nbytes
+        if tier != "nvme":
+            end, _ = self.live[tier].pop(copy.slot)
+            self.freed[tier].append((copy.slot, end, self.op_index))
+
+    def resident(self, shard: ShardId, tier: str, slot: int | None) -> _Copy:
+        copy = self.copies.get((shard, tier))
+        if copy is None:
+            raise self.fail(f"{shard} is not resident on {tier}")
+        if copy.slot != slot:
+            raise self.fail(f"{shard} on {tier} lives at slot {copy.slot}, not {slot}")
+        return copy
+
+    # -- ops ------------------------------------------------------------------------------
+    def step(self, i: int, op: Op) -> None:
+        self.op_index = i
+        anc = 0
+        for d in op.deps:
+            if not 0 <= d < i:
+                raise self.fail(f"dependency {d} is not an earlier op")
+            anc |= self.anc[d] | (1 << d)
+        self.anc.append(anc)
+        if isinstance(op, Free):
+            return self.free(op)
+        versions = []
+        for acc in op.inputs:
+            copy = self.resident(acc.shard, acc.tier, acc.slot)
+            if copy.version != self.latest[acc.shard]:
+                raise self.fail(f"input {acc.shard} on {acc.tier} is stale (version {copy.version}, "
+                                f"latest {self.latest[acc.shard]})")
+            if not self.before(copy.writer):
+                raise self.fail(f"reads {acc.shard} on {acc.tier} while op {copy.writer} may still be writing it")
+            versions.append(copy.version)
+        if isinstance(op, (Load, Store)):
+            self.check_move(op)
+        for acc in op.inputs:
+            self.copies[(acc.shard, acc.tier)].readers.append(i)
+        for acc in op.outputs:
+            self.write(acc, versions[0] if isinstance(op, (Load, Store)) else self.latest[acc.shard] + 1)
+
+    def check_move(self, op: Load | Store) -> None:
+        a, b = TIERS.index(op.src), TIERS.index(op.dst)
+        if abs(a - b) != 1 or (b < a) != isinstance(op, Load) or op.inputs[0].shard != op.outputs[0].shard:
+            raise self.fail(f"{op.kind} from {op.src} to {op.dst} is not a one-tier move of one shard in its direction")
+        if op.nbytes != self.plan.shards[op.shard].nbytes:
+            raise self.fail(f"moves {op.nbytes} bytes of {op.shard}, which has {self.plan.shards[op.shard].nbytes}")
+
+    def write(self, acc, version: int) -> None:
+        copy = self.copies.get((acc.shard, acc.tier))
+        if copy is None:
+            copy = self.add(acc.shard, acc.tier, acc.slot, version, self.op_index)
+        else:
+            if copy.slot != acc.slot:
+                raise self.fail(f"writes {acc.shard} on {acc.tier} at slot {acc.slot}, but it lives at {copy.slot}")
+            waits = [r for r in copy.readers if r != self.op_index] + [copy.writer]
+            racing = [r for r in waits if not self.before(r)]
+            if racing:
+                raise self.fail(f"overwrites {acc.shard} on {acc.tier} while op(s) {racing} may still use it")
+            copy.version, copy.writer, copy.readers = version, self.op_index, []
+        self.latest[acc.shard] = max(self.latest[acc.shard], version)
+
+    def free(self, op: Free) -> None:
+        copy = self.resident(op.shard, op.tier, op.slot)
+        racing = [r for r in copy.readers + [copy.writer] if not self.before(r)]
+        if racing:
+            raise self.fail(f"frees {op.shard} on {op.tier} while op(s) {racing} may still use it")
+        latest = self.latest[op.shard]
+        needed = op.shard.state in PERSISTENT_KINDS or self.last_read.get(op.shard, -1) > self.op_index
+        others = [t for (s, t), c in self._copies_of(op.shard) if t != op.tier and c.version == latest]
+        if needed and copy.version == latest and not others:
+            raise self.fail(f"drops the only up-to-date copy of {op.shard} (on {op.tier}) before it was persisted")
+        self.drop(op.shard, op.tier)
+
+    def _copies_of(self, shard: ShardId):
+        return (((shard, t), self.copies[(shard, t)]) for t in TIERS if (shard, t) in self.copies)
+
+    def finish(self) -> None:
+        self.op_index = len(self.plan.ops)
+        self.anc.append(0)
+        for shard in self.plan.shards:
+            home = self.plan.homes[shard.state]
+            for (_, tier), copy in self._copies_of(shard):
+                if tier != home or shard.state not in PERSISTENT_KINDS:
+                    raise PlanError(f"end of plan: {shard} is still resident on {tier}; a step must end with "
+                                    f"only home copies so that the next step starts from the same state")
+            if shard.state in PERSISTENT_KINDS:
+                copy = self.copies.get((shard, home))
+                if copy is None or copy.version != self.latest[shard]:
+                    raise PlanError(f"end of plan: the latest version of {shard} never reached its home on {home}")
+
+
+def validate(plan: SwapPlan) -> None:
+    """Raise ``PlanError`` at the first op of ``plan`` that breaks an invariant."""
+    replay = _Replay(plan)
+    for shard, slot in plan.home_slots.items():
+        replay.add(shard, plan.homes[shard.state], slot, 0, None)
+    for i, op in enumerate(plan.ops):
+        replay.step(i, op)
+    replay.finish()
