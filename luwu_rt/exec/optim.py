@@ -1,0 +1,98 @@
+"""The ``OptimStep`` handler: runs the fused AdamW kernel over one unit's shards.
+
+A unit's buffers of different state kinds are cut into shards by bytes, and
+the kinds differ in element size (bf16 params, fp32 master), so shard ``i`` of
+``param`` and shard ``i`` of ``master`` cover different elements. The handler
+therefore splits the unit's element range at every shard boundary of every
+kind and calls the kernel once per piece, on views that line up element for
+element.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from luwu_rt.exec.executor import Views
+from luwu_rt.plan.ops import OptimStep, ShardId, ShardInfo
+
+__all__ = ["AdamWHyper", "AdamWHandler"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdamWHyper:
+    lr: float = 1e-3
+    """Learning rate of this step."""
+    beta1: float = 0.9
+    """First-moment decay."""
+    beta2: float = 0.999
+    """Second-moment decay."""
+    eps: float = 1e-8
+    """Denominator term."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_scale: float = 1.0
+    """Multiplies gradients first: loss-scale removal and clipping in one factor."""
+
+
+class AdamWHandler:
+    """Callable ``(op, views)`` for the executor's ``OptimStep`` ops."""
+
+    def __init__(
+        self,
+        shards: Mapping[ShardId, ShardInfo],
+        *,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        backend: str = "auto",
+    ) -> None:
+        self.shards = shards
+        self.dtypes = {"param": param_dtype, "grad": grad_dtype, "master": torch.float32,
+                       "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+        self.backend = backend
+        self.step = 0
+        """The optimizer step number (1-based once set by the caller before each run)."""
+        self.hyper = AdamWHyper()
+
+    def _pieces(self, unit_views: dict[str, list[tuple[ShardInfo, torch.Tensor]]]):
+        """Yields ``{state: flat typed view}`` for each run of elements covered by
+        one shard of every state kind."""
+        starts: dict[str, list[int]] = {}
+        typed: dict[str, list[torch.Tensor]] = {}
+        cuts: set[int] = set()
+        total = None
+        for state, items in unit_views.items():
+            pos, starts[state], typed[state] = 0, [], []
+            for info, view in items:
+                starts[state].append(pos)
+                typed[state].append(view.view(self.dtypes[state])[: info.numel])
+                pos += info.numel
+            cuts.update(starts[state])
+            assert total is None or total == pos, "state kinds of one unit cover different element counts"
+            total = pos
+        bounds = sorted(cuts) + [total]
+        for a, b in zip(bounds, bounds[1:]):
+            out = {}
+            for state, st in starts.items():
+                i = bisect.bisect_right(st, a) - 1
+                out[state] = typed[state][i][a - st[i] : b - st[i]]
+            yield out
+
+    def __call__(self, op: OptimStep, views: Views) -> None:
+        from luwu_rt.kernels import adamw_step
+
+        assert self.step >= 1, "set handler.step before running the plan"
+        unit_views: dict[str, list[tuple[ShardInfo, torch.Tensor]]] = {}
+        for shard in sorted(views, key=lambda s: (s.state, s.chunk)):
+            unit_views.setdefault(shard.state, []).append((self.shards[shard], views[shard]))
+        h = self.hyper
+        for piece in self._pieces(unit_views):
+            adamw_step(
+                piece["master"], piece["grad"], piece["exp_avg"], piece["exp_avg_sq"],
+                step=self.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                weight_decay=h.weight_decay, grad_scale=h.grad_scale,
+                param_out=piece.get("param"), backend=self.backend,
+            )

@@ -1,0 +1,47 @@
+"""Spans of executed ops and their export as Chrome trace JSON (Perfetto, chrome://tracing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from luwu_rt.plan.ops import Op
+
+__all__ = ["Span", "write_chrome_trace"]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    name: str
+    """e.g. ``Load param u3.0 nvme->host`` or ``Compute B3``."""
+    queue: str
+    start_s: float
+    end_s: float
+    nbytes: int
+    tier: str
+
+    @classmethod
+    def of(cls, op: Op, *, start: float, end: float) -> "Span":
+        access = (op.outputs or op.inputs or (None,))[0]
+        tier = access.tier if access is not None else getattr(op, "tier", "")
+        nbytes = getattr(op, "nbytes", 0) or getattr(op, "comm_bytes", 0)
+        label = getattr(op, "name", "") or (f"{access.shard.state} u{access.shard.unit}.{access.shard.chunk}" if access else "")
+        if op.inputs and op.outputs and op.kind in ("Load", "Store"):
+            label += f" {op.inputs[0].tier}->{op.outputs[0].tier}"
+        return cls(f"{op.kind} {label}".strip(), op.queue, start, end, nbytes, tier)
+
+
+def write_chrome_trace(spans: Iterable[Span], path: str | os.PathLike) -> None:
+    """One complete event (``ph: X``) per span, one track per queue."""
+    events = [
+        {
+            "name": s.name, "cat": s.queue, "ph": "X", "pid": 0, "tid": s.queue,
+            "ts": s.start_s * 1e6, "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
+            "args": {"bytes": s.nbytes, "tier": s.tier},
+        }
+        for s in spans
+    ]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
