@@ -1,0 +1,165 @@
+"""`luwu bench offload-step`: one real AdamW step with master weights and moments on NVMe.
+
+The step runs through a plan (planner -> validator -> executor) over N
+parameters whose optimizer state lives on NVMe and whose bf16 parameters and
+fp32 gradients live in host memory. Beside the measured step time it prints
+the IO lower bound, bytes moved over the disk divided by the disk's bandwidth
+measured in the same run. Reads and writes are taken to overlap fully (the
+bound is the longer of the two), since a disk serves both at once: adding them
+would give a figure a well-overlapped step can beat, which is no bound. Then the planner's prediction from profile figures measured in the
+same run. Target P4: step time <= 1.1 x the IO lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+__all__ = ["add_arguments", "run"]
+
+
+def _parse_count(text: str) -> int:
+    """``"256M"`` -> 256_000_000; plain integers and K/M/G/B suffixes (powers of 1000)."""
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+    t = text.strip().lower()
+    suffix = t[-1] if t and t[-1].isalpha() else ""
+    try:
+        value = float(t[: len(t) - len(suffix)]) * scale[suffix]
+    except (KeyError, ValueError):
+        raise ValueError(f"cannot read parameter count {text!r}: write e.g. 64M, 1.5G or 1000000") from None
+    if value < 1:
+        raise ValueError(f"parameter count must be >= 1, got {text!r}")
+    return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="64M", help="parameters to update, e.g. 256M or 1.5G (default 64M)")
+    parser.add_argument("--host-mem", default="1GiB", help="pinned host memory budget for staging (default 1GiB)")
+    parser.add_argument("--nvme-dir", required=True, help="directory on the disk that holds the optimizer state")
+    parser.add_argument("--unit-params", default="16M", help="parameters per unit (default 16M)")
+    parser.add_argument("--chunk-size", default="16MiB", help="storage chunk size, a multiple of 4KiB (default 16MiB)")
+    parser.add_argument("--steps", type=int, default=3, help="steps to run; the median is reported (default 3)")
+    parser.add_argument("--block-kb", type=int, default=1024, help="IO piece size in KiB (default 1024)")
+    parser.add_argument("--queue-depth", type=int, default=32, help="IO pieces in flight per direction (default 32)")
+    parser.add_argument("--trace", default=None, metavar="FILE", help="write the last step's spans as Chrome trace JSON")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _model_spec(num_params: int, unit_params: int, chunk_bytes: int):
+    from luwu_rt.plan import ModelSpec, UnitSpec
+
+    sizes = [unit_params] * (num_params // unit_params)
+    if num_params % unit_params:
+        sizes.append(num_params % unit_params)
+    return ModelSpec(units=tuple(UnitSpec(name=f"u{i}", num_params=n) for i, n in enumerate(sizes)),
+                     param_bytes=2, grad_bytes=4, chunk_bytes=chunk_bytes)
+
+
+def _measure_profile(directory: str, *, state_bytes: int, block_bytes: int, queue_depth: int):
+    """Disk, copy and optimizer speeds of this machine, measured now."""
+    import torch
+
+    from luwu_rt.cli.bench_io import measure
+    from luwu_rt.kernels import adamw_step
+    from luwu_rt.plan import HardwareProfile
+
+    disk = measure(directory, size_bytes=min(state_bytes, 1 << 30) // 4096 * 4096 or 4096,
+                   block_bytes=block_bytes, queue_depth=queue_depth)
+    a, b = torch.empty(32 << 20, dtype=torch.uint8), torch.ones(32 << 20, dtype=torch.uint8)
+    start = time.perf_counter()
+    a.copy_(b)
+    copy_gbps = a.numel() / (time.perf_counter() - start) / 1e9
+    n = 4 << 20
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    adamw_step(p, g, m, v, step=1, lr=1e-3)  # warm-up: thread pool, page faults
+    start = time.perf_counter()
+    adamw_step(p, g, m, v, step=2, lr=1e-3)
+    optim_rate = n / (time.perf_counter() - start)
+    return disk, HardwareProfile(nvme_read_gbps=disk.read_gbps, nvme_write_gbps=disk.write_gbps,
+                                 h2d_gbps=copy_gbps, d2h_gbps=copy_gbps, host_optim_params_per_s=optim_rate)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from luwu_rt.exec import AdamWHandler, Executor, write_chrome_trace
+    from luwu_rt.exec.executor import nvme_regions
+    from luwu_rt.io import IOEngine
+    from luwu_rt.plan import Budgets, Placement, estimate, parse_size, plan_step, validate
+    from luwu_rt.store import Arena, NvmeTier
+
+    num_params, unit_params = _parse_count(args.params), _parse_count(args.unit_params)
+    chunk_bytes = parse_size(args.chunk_size)
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if not os.path.isdir(args.nvme_dir):
+        raise OSError(2, "--nvme-dir does not exist; create it first", args.nvme_dir)
+    model = _model_spec(num_params, min(unit_params, num_params), chunk_bytes)
+    largest = max(u.num_params for u in model.units)
+    # The device tier only stages a unit's params and grads for the no-op forward/backward.
+    budgets = Budgets(device_bytes=4 * largest * 6 + 8 * chunk_bytes, host_bytes=parse_size(args.host_mem))
+    placement = Placement(params="host", optimizer="nvme", grads="host")
+    plan = plan_step(model, budgets=budgets, placement=placement)
+    validate(plan)
+
+    workdir = tempfile.mkdtemp(prefix="luwu-offload-", dir=args.nvme_dir)
+    try:
+        disk, profile = _measure_profile(workdir, state_bytes=12 * num_params, block_bytes=args.block_kb << 10,
+                                         queue_depth=args.queue_depth)
+        cost = estimate(plan, profile)
+        with IOEngine(block_bytes=args.block_kb << 10, queue_depth=args.queue_depth) as engine:
+            nvme = NvmeTier(workdir, regions=nvme_regions(plan), chunk_bytes=chunk_bytes, engine=engine)
+            arenas = {t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}
+            handler = AdamWHandler(plan.shards, param_dtype=torch.bfloat16, grad_dtype=torch.float32)
+
+            def compute(op, views) -> None:
+                if op.name.startswith("B"):  # stands in for backward: produce this unit's gradients
+                    for sid, view in views.items():
+                        if sid.state == "grad":
+                            view.view(torch.float32).fill_(1e-3 * (sid.unit + 1))
+
+            ex = Executor(plan, arenas=arenas, nvme=nvme, handlers={"Compute": compute, "OptimStep": handler})
+            for u, unit in enumerate(model.units):
+                master = torch.linspace(-1, 1, unit.num_params)
+                ex.write_state(u, "master", master)
+                ex.write_state(u, "param", master.to(torch.bfloat16))
+                for state in ("exp_avg", "exp_avg_sq"):
+                    ex.write_state(u, state, torch.zeros(unit.num_params))
+            times = []
+            for step in range(1, args.steps + 1):
+                handler.step = step
+                start = time.perf_counter()
+                spans = ex.run()
+                times.append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.trace:
+        write_chrome_trace(spans, args.trace)
+
+    nvme_io = cost.io_bytes["nvme"]
+    io_bound_s = max(nvme_io["read"] / (disk.read_gbps * 1e9), nvme_io["write"] / (disk.write_gbps * 1e9))
+    step_s = statistics.median(times)
+    result = {
+        "params": num_params, "units": len(model.units), "chunk_bytes": chunk_bytes,
+        "step_s": step_s, "step_times_s": times, "io_bound_s": io_bound_s, "predicted_s": cost.predicted_step_s,
+        "ratio_to_io_bound": step_s / io_bound_s if io_bound_s else None,
+        "nvme_read_bytes": nvme_io["read"], "nvme_write_bytes": nvme_io["write"],
+        "disk_read_gbps": disk.read_gbps, "disk_write_gbps": disk.write_gbps,
+        "optim_params_per_s": profile.host_optim_params_per_s, "bottleneck": cost.bottleneck,
+        "io_backend": disk.backend,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{num_params / 1e6:.0f}M params in {len(model.units)} units, optimizer state on NVMe ({disk.backend})")
+        print(f"disk: read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s; "
+              f"moved {nvme_io['read'] / 1e9:.2f} GB in, {nvme_io['write'] / 1e9:.2f} GB out per step")
+        print(f"step {step_s:.3f} s (median of {len(times)}), IO lower bound {io_bound_s:.3f} s "
+              f"-> {result['ratio_to_io_bound']:.2f}x; planner predicted {cost.predicted_step_s:.3f} s "
+              f"(bottleneck {cost.bottleneck})")
+    return 0
