@@ -1,0 +1,187 @@
+"""Atomic, checksummed checkpoints (DESIGN.md, "Checkpoints").
+
+A checkpoint is a directory ``<root>/step_<N>/`` holding one raw file per
+tensor and ``manifest.json`` (step, free-form metadata, and per tensor its
+file, dtype, shape and CRC-32C). It is written under a temporary name, every
+file fsynced, and made visible by one ``rename`` of the directory; the parent
+directory is fsynced after. A crash at any instant therefore leaves either the
+previous checkpoints alone or the new one complete, never a torn one, and
+loading verifies every checksum before handing data out.
+
+Tensors are streamed in one at a time (``CheckpointWriter.add``), so a model
+much larger than RAM checkpoints unit by unit.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints"]
+
+MANIFEST = "manifest.json"
+FORMAT = "luwu_rt.checkpoint/1"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    from luwu_rt import _C
+
+    return _C.crc32c(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"checkpoint names unknown dtype {name!r}")
+    return dtype
+
+
+class CheckpointWriter:
+    """Writes ``<root>/step_<step>`` atomically: ``add`` tensors, then ``commit``.
+
+    Use as a context manager: leaving the block by an exception removes the
+    partial directory and leaves earlier checkpoints untouched.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, step: int) -> None:
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+        self.root = Path(root)
+        self.step = step
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create the checkpoint directory ({exc.strerror}); pass a writable --ckpt-dir",
+                          str(self.root)) from None
+        # Leftovers of a writer killed mid-checkpoint are never visible as
+        # checkpoints; one trainer owns a root, so they can go.
+        for stale in self.root.glob(".partial_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.root.glob(".old_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.final = self.root / f"step_{step:08d}"
+        self.partial = self.root / f".partial_step_{step:08d}_{uuid.uuid4().hex[:8]}"
+        self.partial.mkdir()
+        self._tensors: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Writes ``tensor`` (a CPU tensor) as ``<name>.bin`` and fsyncs it."""
+        if not _NAME.match(name) or name in self._tensors:
+            raise ValueError(f"checkpoint tensor name {name!r} is invalid or already used")
+        data = tensor.detach().contiguous()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        path = self.partial / f"{name}.bin"
+        with open(path, "wb") as f:
+            if data.numel():
+                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        self._tensors[name] = {"file": path.name, "dtype": _dtype_name(data.dtype), "shape": list(data.shape),
+                               "crc32c": _crc(data)}
+
+    def commit(self, meta: dict[str, Any]) -> Path:
+        """Writes the manifest and makes the checkpoint visible; returns its directory."""
+        manifest = {"format": FORMAT, "step": self.step, "meta": meta, "tensors": self._tensors}
+        with open(self.partial / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(self.partial)
+        if self.final.exists():
+            # Re-saving a step (after a resume replayed it): the old copy is
+            # complete and equivalent; replace it in two renames, never in place.
+            trash = self.root / f".old_{self.final.name}_{uuid.uuid4().hex[:8]}"
+            os.rename(self.final, trash)
+            os.rename(self.partial, self.final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(self.partial, self.final)
+        _fsync_dir(self.root)
+        return self.final
+
+    def abort(self) -> None:
+        shutil.rmtree(self.partial, ignore_errors=True)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class CheckpointReader:
+    """A committed checkpoint: its manifest, and tensors verified against their checksums."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        path = self.directory / MANIFEST
+        try:
+            manifest = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{self.directory} is not a complete checkpoint (no {MANIFEST})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: corrupt checkpoint manifest ({exc})") from None
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a luwu_rt checkpoint (format {manifest.get('format')!r})")
+        self.step: int = manifest["step"]
+        self.meta: dict[str, Any] = manifest["meta"]
+        self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name``; ``OSError(EIO)`` naming the file if its bytes do not match the checksum."""
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
+        path = self.directory / entry["file"]
+        dtype, shape = _dtype_of(entry["dtype"]), entry["shape"]
+        raw = path.read_bytes()
+        out = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if out.numel() != numel * itemsize:
+            raise OSError(errno.EIO, f"checkpoint file has {out.numel()} bytes, expected {numel * itemsize}", str(path))
+        tensor = out.view(dtype).reshape(shape)
+        if _crc(tensor) != entry["crc32c"]:
+            raise OSError(errno.EIO, "checkpoint file does not match its checksum; the checkpoint is corrupt", str(path))
+        return tensor
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Committed checkpoint directories under ``root``, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).exists()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The committed checkpoint with the highest step, or ``None``."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
