@@ -41,7 +41,8 @@ import torch
 
 from luwu_rt.models.units import UnitChain
 
-__all__ = ["Phase", "StepResult", "UnitHooks", "UnitwiseConfig", "unitwise_loss", "unitwise_step"]
+__all__ = ["Phase", "StepResult", "UnitHooks", "UnitwiseConfig", "final_points", "step_schedule", "unitwise_loss",
+           "unitwise_step"]
 
 
 class Phase(enum.Enum):
@@ -138,6 +139,33 @@ def _autocast(device: torch.device, config: UnitwiseConfig):
                           enabled=config.autocast_dtype is not None)
 
 
+def final_points(chain: UnitChain) -> tuple[tuple[int, ...], ...]:
+    """``final_points(chain)[k]``: the units whose gradients become final right after B(k), highest first.
+
+    Backward runs from the last unit down, so unit ``j`` is final after the
+    lowest-numbered unit among ``j`` and its readers ([Note: final gradients]).
+    """
+    points: list[list[int]] = [[] for _ in range(chain.num_units)]
+    for unit in range(chain.num_units - 1, -1, -1):
+        points[min((unit, *chain.readers(unit)))].append(unit)
+    return tuple(tuple(p) for p in points)
+
+
+def step_schedule(chain: UnitChain) -> tuple[tuple[str, int], ...]:
+    """The hook calls ``unitwise_step`` makes, in order, for planners that lay out a step ahead of time.
+
+    Events are ``("F", i)``/``("f", i)`` for acquire/release in forward,
+    ``("B", i)``/``("b", i)`` in backward and ``("G", i)`` for ``grads_final``.
+    """
+    events: list[tuple[str, int]] = []
+    for index in range(chain.num_units - 1):
+        events += [("F", index), ("f", index)]
+    finals = final_points(chain)
+    for index in range(chain.num_units - 1, -1, -1):
+        events += [("B", index), ("b", index), *(("G", owner) for owner in finals[index])]
+    return tuple(events)
+
+
 def unitwise_loss(
     chain: UnitChain,
     inputs: torch.Tensor,
@@ -188,7 +216,7 @@ def unitwise_step(
     del x
 
     pending: dict[int, list[torch.Tensor | None]] = {}
-    waiting = [{j, *chain.readers(j)} for j in range(chain.num_units)]
+    finals = final_points(chain)
     grad_out: torch.Tensor | None = None
     loss_value = float("nan")
     for index in range(last, -1, -1):
@@ -202,12 +230,8 @@ def unitwise_step(
         hooks.release(index, phase=Phase.BACKWARD)
         for owner, owner_grads in grads.items():
             _accumulate(pending, owner, owner_grads)
-        # [Note: final gradients]: each unit leaves ``waiting`` exactly once, so
-        # a set becomes empty exactly once and every unit is delivered once.
-        for owner in (index, *chain.reads(index)):
-            waiting[owner].discard(index)
-            if not waiting[owner]:
-                hooks.grads_final(owner, pending.pop(owner, [None] * len(chain.own_params(owner))), chain=chain)
+        for owner in finals[index]:
+            hooks.grads_final(owner, pending.pop(owner, [None] * len(chain.own_params(owner))), chain=chain)
     assert not pending, f"gradients of units {sorted(pending)} were never delivered"
     return StepResult(loss=loss_value, num_tokens=targets.numel())
 

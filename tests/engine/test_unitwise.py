@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from luwu_rt.engine.unitwise import Phase, UnitHooks, UnitwiseConfig, unitwise_loss, unitwise_step
+from luwu_rt.engine.unitwise import (Phase, UnitHooks, UnitwiseConfig, final_points, step_schedule, unitwise_loss,
+                                     unitwise_step)
 from luwu_rt.models.gpt import build_gpt
 from luwu_rt.models.units import UnitChain, chain_from_sequential
 
@@ -115,6 +116,26 @@ def test_order_of_computation_and_final_gradients() -> None:
             backward.append(("G", i))  # a block or the head is final right after its own backward
     backward += [("G", 0)]  # the tied embedding only after B0, with the head's contribution in it
     assert rec.events == forward + backward
+    assert list(step_schedule(chain)) == rec.events
+
+
+def test_schedule_when_a_unit_reads_a_later_unit() -> None:
+    # Unit 1 reads unit 3's weight: unit 3 is final only after B1, and the
+    # recorded hook calls still follow step_schedule.
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    chain = UnitChain([nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.GELU(), shared, nn.Linear(8, VOCAB)],
+                      reads={1: (3,)})
+    chain.run = lambda i, x, ctx: (torch.nn.functional.linear(x, chain.units[3].weight) + chain.units[1](x)
+                                   if i == 1 else chain.units[i](x))
+    assert final_points(chain) == ((0,), (3, 1), (2,), (), (4,))
+    rec = _Recorder()
+    inputs, targets = _batch(seq_len=4)
+    unitwise_step(chain, inputs, targets, hooks=rec)
+    assert rec.events == list(step_schedule(chain))
+    _, ref = _reference_grads(chain, inputs, targets)
+    got = [g for i in range(chain.num_units) for g in rec.final[i]]
+    _assert_grads_close(got, ref, rtol=1e-5, atol=1e-7)
 
 
 def test_grads_final_delivers_grads_aligned_with_own_params() -> None:
@@ -235,7 +256,7 @@ def _reference_grads_frozen(chain, inputs, targets):
     params = [p for i in range(chain.num_units) for p in chain.own_params(i) if p.requires_grad]
     loss = chain.forward(inputs, targets)
     grads = torch.autograd.grad(loss, params)
-    return float(loss), list(grads)
+    return loss.item(), list(grads)
 
 
 @pytest.mark.parametrize("kwargs, match", [
