@@ -187,8 +187,8 @@ class UnitChain:
             with torch.no_grad():
                 self.init_unit(index)
         target = torch.device(device)
-        if target.type != "cpu":
-            for tensor in [*self._own[index], *unit.buffers()]:
+        for tensor in [*self._own[index], *unit.buffers()]:
+            if tensor.device != target:
                 _swap_in(tensor, tensor.detach().to(target))
 
     def release(self, index: int) -> None:

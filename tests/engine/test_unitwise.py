@@ -267,3 +267,21 @@ def _reference_grads_frozen(chain, inputs, targets):
 def test_config_validation(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         UnitwiseConfig(**kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_init_matches_cpu_and_step_matches_autograd() -> None:
+    cpu = build_gpt("gpt-tiny", device="cpu", seed=4)
+    chain = build_gpt("gpt-tiny", device="cuda", seed=4)
+    for a, b in zip(cpu.model.parameters(), chain.model.parameters()):
+        assert b.is_cuda and torch.equal(a, b.cpu())
+    inputs, targets = (t.cuda() for t in _batch())
+    params = list(chain.model.parameters())
+    torch.manual_seed(0)
+    loss = chain.forward(inputs, targets)
+    expected = torch.autograd.grad(loss, params)
+    result = unitwise_step(chain, inputs, targets)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
+    _assert_grads_close([p.grad for p in params], list(expected), rtol=1e-4, atol=1e-6)
+    bf16 = unitwise_step(chain, inputs, targets, config=UnitwiseConfig(autocast_dtype=torch.bfloat16))
+    assert bf16.loss == pytest.approx(result.loss, rel=2e-2)
