@@ -21,6 +21,16 @@ comes out of that computation. A unit's parameters are therefore resident for
 exactly one acquire/release pair per phase it appears in: units ``0..L-2`` in
 both phases, unit ``L-1`` in backward only.
 
+[Note: keeping a unit's graph]
+Recomputation costs one extra forward per unit (about 1.1-1.3x a plain
+autograd step). A unit in ``UnitwiseConfig.keep_graph`` instead runs its
+forward with grad, and its backward differentiates that saved graph: no
+recomputation, at the price of holding the unit's activations from F to B. The
+graph references the parameters the unit computed with, so an engine must not
+swap or update those parameters' storage between the unit's F and B (it may
+still release and re-acquire them if that leaves their storage in place). The
+hook calls are the same either way.
+
 [Note: final gradients]
 A unit's gradients are final when its own backward and the backward of every
 unit that reads it ([Note: ownership and reads] in models/units.py) are done.
@@ -62,8 +72,15 @@ class UnitwiseConfig:
     the returned loss does not."""
     preserve_rng: bool = True
     """Replay each unit's RNG state in its recomputation, so dropout masks match the forward pass."""
+    keep_graph: frozenset[int] = frozenset()
+    """Units whose forward runs with grad and keeps its autograd graph (activations) until its backward,
+    instead of being recomputed ([Note: keeping a unit's graph]). Empty: recompute every unit, the least
+    memory."""
 
     def __post_init__(self) -> None:
+        self.keep_graph = frozenset(self.keep_graph)
+        if any(not isinstance(i, int) or i < 0 for i in self.keep_graph):
+            raise ValueError(f"keep_graph must hold unit indices (non-negative ints), got {sorted(self.keep_graph)}")
         if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, not {self.autocast_dtype}")
         if not (self.loss_scale > 0 and self.loss_scale < float("inf")):
@@ -198,18 +215,30 @@ def unitwise_step(
     """Forward and backward of one (micro-)batch, unit by unit; gradients go to ``hooks.grads_final``."""
     hooks = hooks or UnitHooks()
     config = config or UnitwiseConfig()
+    if config.keep_graph and max(config.keep_graph) >= chain.num_units:
+        raise ValueError(f"keep_graph names unit {max(config.keep_graph)}, but the chain has {chain.num_units} units")
     ctx = chain.context(inputs)
     last = chain.num_units - 1
     saved: list[object] = []
     rng: list[_RngState | None] = []
+    graphs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     x = inputs
     # Forward of every unit but the last ([Note: the last unit runs once]).
-    with torch.no_grad(), _autocast(inputs.device, config):
+    with _autocast(inputs.device, config):
         for index in range(last):
-            saved.append(hooks.save_input(index, x))
-            rng.append(_RngState(inputs.device) if config.preserve_rng else None)
+            keep = index in config.keep_graph
+            saved.append(None if keep else hooks.save_input(index, x))
+            rng.append(_RngState(inputs.device) if config.preserve_rng and not keep else None)
             hooks.acquire(index, phase=Phase.FORWARD)
-            x = chain.run(index, x, ctx)
+            if keep:
+                x_in = _as_unit_input(x, index)
+                with torch.enable_grad():
+                    y = chain.run(index, x_in, ctx)
+                graphs[index] = (x_in, y)
+                x = y.detach()
+            else:
+                with torch.no_grad():
+                    x = chain.run(index, x, ctx)
             hooks.release(index, phase=Phase.FORWARD)
     saved.append(hooks.save_input(last, x))
     rng.append(_RngState(inputs.device) if config.preserve_rng else None)
@@ -221,12 +250,16 @@ def unitwise_step(
     loss_value = float("nan")
     for index in range(last, -1, -1):
         hooks.acquire(index, phase=Phase.BACKWARD)
-        x_in = hooks.load_input(index, saved[index])
-        saved[index] = None  # the saved input dies with this unit's backward
-        grads, grad_out, loss = _backward_unit(chain, index, x_in, ctx, targets, grad_out, is_last=index == last,
-                                               rng=rng[index], config=config)
-        if loss is not None:
-            loss_value = loss
+        if index in graphs:
+            x_in, y = graphs.pop(index)
+            grads, grad_out = _differentiate(chain, index, x_in, y, grad_out)
+        else:
+            x_in = hooks.load_input(index, saved[index])
+            saved[index] = None  # the saved input dies with this unit's backward
+            grads, grad_out, loss = _backward_unit(chain, index, x_in, ctx, targets, grad_out,
+                                                   is_last=index == last, rng=rng[index], config=config)
+            if loss is not None:
+                loss_value = loss
         hooks.release(index, phase=Phase.BACKWARD)
         for owner, owner_grads in grads.items():
             _accumulate(pending, owner, owner_grads)
@@ -234,6 +267,13 @@ def unitwise_step(
             hooks.grads_final(owner, pending.pop(owner, [None] * len(chain.own_params(owner))), chain=chain)
     assert not pending, f"gradients of units {sorted(pending)} were never delivered"
     return StepResult(loss=loss_value, num_tokens=targets.numel())
+
+
+def _as_unit_input(x: torch.Tensor, index: int) -> torch.Tensor:
+    """A leaf copy of the previous unit's output that collects its gradient (none for unit 0's ids)."""
+    x = x.detach()
+    x.requires_grad_(index > 0 and x.is_floating_point())
+    return x
 
 
 def _backward_unit(
@@ -248,32 +288,40 @@ def _backward_unit(
     rng: _RngState | None,
     config: UnitwiseConfig,
 ) -> tuple[dict[int, list[torch.Tensor | None]], torch.Tensor | None, float | None]:
-    """Recompute unit ``index`` with grad and differentiate it.
+    """Recompute unit ``index`` with grad from its saved input and differentiate it.
 
     Returns the parameter gradients by owning unit, the gradient for the
     previous unit's output, and (for the last unit) the unscaled loss.
     """
     if not is_last and grad_out is None:
         return {}, None, None  # nothing downstream depends on this unit's output
-    owners = (index, *chain.reads(index))
-    params = [(owner, slot, p) for owner in owners for slot, p in enumerate(chain.own_params(owner)) if p.requires_grad]
-    x = x_in.detach()
-    wants_input_grad = index > 0 and x.is_floating_point()
-    x.requires_grad_(wants_input_grad)
+    x = _as_unit_input(x_in, index)
     with rng.replay() if rng is not None else nullcontext(), torch.enable_grad(), _autocast(x.device, config):
         y = chain.run(index, x, ctx)
         loss = chain.loss(y, targets) if is_last else None
-    root, root_grad = (loss * config.loss_scale, None) if loss is not None else (y, grad_out)
-    loss_value = None if loss is None else float(loss.detach())
-    wrt = ([x] if wants_input_grad else []) + [p for _, _, p in params]
+    if loss is None:
+        return (*_differentiate(chain, index, x, y, grad_out), None)
+    grads, input_grad = _differentiate(chain, index, x, loss * config.loss_scale, None)
+    return grads, input_grad, float(loss.detach())
+
+
+def _differentiate(
+    chain: UnitChain, index: int, x: torch.Tensor, root: torch.Tensor, root_grad: torch.Tensor | None,
+) -> tuple[dict[int, list[torch.Tensor | None]], torch.Tensor | None]:
+    """Gradients of ``root`` (a unit's output, or the loss) by owning unit, and for the unit's input ``x``."""
+    if root_grad is None and root.dim() > 0:
+        return {}, None  # an intermediate unit whose output nothing downstream depends on
+    owners = (index, *chain.reads(index))
+    params = [(owner, slot, p) for owner in owners for slot, p in enumerate(chain.own_params(owner)) if p.requires_grad]
+    wrt = ([x] if x.requires_grad else []) + [p for _, _, p in params]
     if not wrt or not root.requires_grad:
-        return {}, None, loss_value
+        return {}, None
     grads = torch.autograd.grad(root, wrt, grad_outputs=root_grad, allow_unused=True)
-    input_grad = grads[0] if wants_input_grad else None
+    input_grad = grads[0] if x.requires_grad else None
     by_owner: dict[int, list[torch.Tensor | None]] = {o: [None] * len(chain.own_params(o)) for o in owners}
     for (owner, slot, _), grad in zip(params, grads[len(wrt) - len(params):], strict=True):
         by_owner[owner][slot] = grad
-    return by_owner, input_grad, loss_value
+    return by_owner, input_grad
 
 
 def _accumulate(pending: dict[int, list[torch.Tensor | None]], owner: int, grads: list[torch.Tensor | None]) -> None:
