@@ -183,9 +183,7 @@ def test_optimizer_step_overlaps_earlier_backward():
                      placement=Placement(params="host", optimizer="host", grads="host"))
     index = {getattr(op, "name", None) or f"O{op.unit}": i for i, op in enumerate(plan.ops)
              if isinstance(op, (Compute, OptimStep))}
-    ancestors: list[set[int]] = []
-    for op in plan.ops:
-        ancestors.append(set().union(*(ancestors[d] | {d} for d in op.deps)) if op.deps else set())
+    ancestors = _ancestors(plan)
     assert index["O2"] not in ancestors[index["B1"]] and index["B1"] not in ancestors[index["O2"]]
 
 
@@ -200,3 +198,26 @@ def test_everything_on_nvme_streams_through_host_and_persists():
     validate(plan)
     moved = {(op.src, op.dst) for op in plan.ops if isinstance(op, (Load, Store))}
     assert moved == {("nvme", "host"), ("host", "device"), ("device", "host"), ("host", "nvme")}
+
+
+def _ancestors(plan) -> list[set[int]]:
+    out: list[set[int]] = []
+    for op in plan.ops:
+        out.append(set().union(*(out[d] | {d} for d in op.deps)) if op.deps else set())
+    return out
+
+
+@pytest.mark.parametrize("spare_bytes, prefetch_all", [(64 * 2**20, True), (512 * KiB, False)])
+def test_prefetch_is_bounded_only_by_the_budget(spare_bytes, prefetch_all):
+    """With room for every unit no load waits for compute, so all can be issued at once; with a
+    tight budget some load waits (through a Free) for the compute that last used its slot."""
+    model = gpt_model_spec(get_preset("gpt-tiny"), chunk_bytes=64 * KiB)
+    placement = Placement(params="host", optimizer="host", grads="host")
+    device = lower_bounds(model, placement=placement, strategy=Strategy())["device"] + spare_bytes
+    plan = plan_step(model, budgets=Budgets(device_bytes=device, host_bytes=2**30), placement=placement)
+    validate(plan)
+    ancestors = _ancestors(plan)
+    computes = {i for i, op in enumerate(plan.ops) if isinstance(op, Compute)}
+    waiting = [i for i, op in enumerate(plan.ops) if isinstance(op, Load) and op.dst == "device"
+               and op.shard.state == "param" and ancestors[i] & computes]
+    assert (not waiting) == prefetch_all
