@@ -85,8 +85,11 @@ def run(args: argparse.Namespace) -> int:
         result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
                            policy=args.policy)
     except DoesNotFit as exc:
-        report = {**head, "fits": False, "reason": str(exc), "needs": exc.needs}
-        print(json.dumps(report, indent=2) if args.json else f"{_title(head)}\n{exc}")
+        reason = str(exc)
+        if not budgets.nvme_bytes and "nvme_bytes" in exc.needs:
+            reason += " (pass --nvme-dir to plan with an NVMe tier)"
+        report = {**head, "fits": False, "reason": reason, "needs": exc.needs}
+        print(json.dumps(report, indent=2) if args.json else f"{_title(head)}\n{reason}")
         return 1
     validate(result.plan)  # never report a plan that breaks an invariant
     report = {**head, "fits": True, **_describe(result)}

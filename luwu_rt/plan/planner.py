@@ -281,21 +281,24 @@ class _OutOfBudget(Exception):
 
 def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) -> dict[str, int]:
     """Bytes each tier needs at the very least under ``placement``: its home copies, plus the
-    largest set of non-home shards one step reads or writes there at once (plus one shard of
-    staging on the host when data passes through it), plus the device reserve."""
+    largest set of non-home shards one step reads or writes there at once (on the host at
+    least one staged shard when params or grads live on NVMe), plus the device reserve.
+    Every plan that exists peaks at or above these; the planner may need a little more
+    (fragmentation, shards kept dirty between two writes)."""
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
     home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and placement.home(s.state) == t)
             for t in TIERS}
-    bounds = dict(home)
-    for tier in TIERS:
-        working = [sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
-                       if not (n.shard.state in PERSISTENT_KINDS and placement.home(n.shard.state) == tier))
-                   for step in steps]
-        bounds[tier] += max(working, default=0)
-    # Params and grads reach the device from NVMe (and back) through a host staging copy.
-    if "nvme" in (placement.params, placement.grads):
-        bounds["host"] += max(i.nbytes for i in layout.values())
+    working = dict.fromkeys(TIERS, 0)
+    for step in steps:
+        for tier in TIERS:
+            nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
+                         if not (n.shard.state in PERSISTENT_KINDS and placement.home(n.shard.state) == tier))
+            working[tier] = max(working[tier], nbytes)
+    # Params and grads travel between the device and NVMe through a host staging copy.
+    staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
+    working["host"] = max([working["host"], *staged])
+    bounds = {t: home[t] + working[t] for t in TIERS}
     bounds["device"] += model.activation_bytes + workspace_bytes(model, strategy)
     return bounds
 
