@@ -134,6 +134,8 @@ class Compute(Op):
     name: str
     unit: int
     flops: int
+    microbatch: int = 0
+    """Which micro-batch of the step (gradient accumulation); names repeat across micro-batches."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,8 @@
 """The access sequence of one training step, before any placement decision.
 
 ``build_layout`` cuts every unit's state buffers into shards; ``build_steps``
-lists the logical ops of one step in order (F0..F(L-1), B(L-1)..B0, and after
+lists the logical ops of one step in order (F0..F(L-2), B(L-1)..B0 — the last
+unit's forward is fused into its backward — once per micro-batch, and after
 the backward op that makes a unit's gradients final, its collective and its
 optimizer step) with the shard copies each one needs and on which tier. The
 planner turns this list into a ``SwapPlan`` by adding the moves and frees.
@@ -28,7 +29,7 @@ beside the activations (``workspace_bytes``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .ops import Compute, Gather, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
@@ -123,7 +124,7 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
     gathers = strategy.name in ("zero3", "hsdp")
     steps: list[Step] = []
 
-    def compute(phase: str, k: int, grad_needs: tuple[Need, ...]) -> None:
+    def compute(phase: str, k: int, grad_needs: tuple[Need, ...], mb: int) -> None:
         after: tuple[int, ...] = ()
         param_needs = needs(_reads(model, k), "param", "device", "r")
         if gathers:
@@ -132,23 +133,43 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
                                                   comm_bytes=_ring(comm, strategy.shard_ways)), param_needs))
             after, param_needs = (len(steps) - 1,), ()
         flops = model.units[k].flops_per_token * model.tokens_per_step * (1 if phase == "F" else 3)
-        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, flops=flops),
+        flops //= model.num_microbatches
+        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, flops=flops, microbatch=mb),
                           param_needs + grad_needs, after))
 
-    for k in range(num_units):
-        compute("F", k, ())
+    if model.num_microbatches > 1 and strategy.sharded("grad"):
+        raise ValueError(f"gradient accumulation (num_microbatches={model.num_microbatches}) is not supported with "
+                         f"strategy {strategy.name}, which shards gradients; use one micro-batch or zero1/ddp")
     # Backward runs k = L-1..0; a unit's grads are final after the lowest k that reads it.
     last_writer = {u: min(k for k in range(num_units) if u in _reads(model, k)) for u in range(num_units)}
     written: set[int] = set()
-    for k in reversed(range(num_units)):
-        grad_needs: tuple[Need, ...] = ()
-        if not strategy.sharded("grad"):
-            grad_needs = tuple(n for u in _reads(model, k)
-                               for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
-        written.update(_reads(model, k))
-        compute("B", k, grad_needs)
-        for u in sorted((u for u, w in last_writer.items() if w == k), reverse=True):
-            _post_backward(model, strategy, placement, u, needs, numel, steps)
+    deferred: list[int] = []
+    for mb in range(model.num_microbatches):
+        # The last unit's forward is fused into its backward: its output only feeds the loss,
+        # which B(L-1) computes anyway (engine/unitwise.py, [Note: the last unit runs once]).
+        for k in range(num_units - 1):
+            compute("F", k, (), mb)
+        for k in reversed(range(num_units)):
+            grad_needs: tuple[Need, ...] = ()
+            if not strategy.sharded("grad"):
+                grad_needs = tuple(n for u in _reads(model, k)
+                                   for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
+            written.update(_reads(model, k))
+            compute("B", k, grad_needs, mb)
+            if mb < model.num_microbatches - 1:
+                continue
+            final = sorted((u for u, w in last_writer.items() if w == k), reverse=True)
+            if model.optimizer_waits_for_backward:
+                deferred += final
+            else:
+                for u in final:
+                    _post_backward(model, strategy, placement, u, needs, numel, steps)
+    end_of_backward = len(steps) - 1
+    for u in deferred:
+        first = len(steps)
+        _post_backward(model, strategy, placement, u, needs, numel, steps)
+        steps[first:] = [replace(s, after=s.after + (end_of_backward,)) if s.op_type is OptimStep else s
+                         for s in steps[first:]]
     return steps
 
 

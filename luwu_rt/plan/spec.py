@@ -73,11 +73,20 @@ class ModelSpec:
     """Tokens in one step (batch size x sequence length); 0 plans IO only."""
     activation_bytes: int = 0
     """Device memory kept for activations (saved unit inputs, recompute workspace, logits)."""
+    num_microbatches: int = 1
+    """Forward/backward passes per optimizer step (gradient accumulation): gradients of later
+    micro-batches add to the earlier ones', and only the last one's are final."""
+    optimizer_waits_for_backward: bool = False
+    """Hold every optimizer step until the whole backward is done. Exact global-norm clipping
+    and fp16 overflow checks need the norm of *all* gradients before any update; without them
+    a unit's update starts as soon as its gradients are final, overlapping earlier units'
+    backward."""
 
     def __post_init__(self) -> None:
         if not self.units:
             raise ValueError("ModelSpec.units is empty: a model needs at least one unit")
         _check_positive("ModelSpec", param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
+                        num_microbatches=self.num_microbatches,
                         chunk_bytes=self.chunk_bytes, max_shards_per_state=self.max_shards_per_state)
         if self.chunk_bytes % ALIGN_BYTES:
             raise ValueError(f"ModelSpec.chunk_bytes={self.chunk_bytes} is not a multiple of {ALIGN_BYTES} (O_DIRECT)")

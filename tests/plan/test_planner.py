@@ -1,3 +1,4 @@
+import dataclasses
 """Planner properties: every plan it returns passes the validator, budgets that are too small
 give a clear error, and Belady eviction never loads more than LRU on equal-size shards."""
 
@@ -162,7 +163,7 @@ def test_activations_larger_than_device_budget_is_a_clear_error():
                   placement=Placement(params="host", optimizer="host", grads="host"))
 
 
-def test_tied_embedding_is_accessed_at_f0_fhead_bhead_b0():
+def test_tied_embedding_is_accessed_at_f0_bhead_b0():
     model = gpt_model_spec(get_preset("gpt-tiny"))
     plan = plan_step(model, budgets=Budgets(device_bytes=2**30, host_bytes=2**30),
                      placement=Placement(params="device", optimizer="device", grads="device"))
@@ -170,7 +171,7 @@ def test_tied_embedding_is_accessed_at_f0_fhead_bhead_b0():
     head = len(model.units) - 1
     readers = [op.name for op in plan.ops if isinstance(op, Compute)
                if any(a.shard.unit == 0 and a.shard.state == "param" for a in op.inputs)]
-    assert readers == ["F0", f"F{head}", f"B{head}", "B0"]
+    assert readers == ["F0", f"B{head}", "B0"]  # the head's forward is fused into its backward
     # The embedding's optimizer step waits for B0, the last op that adds to its gradient.
     names = [getattr(op, "name", None) or f"O{op.unit}" for op in plan.ops if isinstance(op, (Compute, OptimStep))]
     assert names.index("O0") > names.index("B0") and names.index(f"O{head}") < names.index("B0")
@@ -221,3 +222,41 @@ def test_prefetch_is_bounded_only_by_the_budget(spare_bytes, prefetch_all):
     waiting = [i for i, op in enumerate(plan.ops) if isinstance(op, Load) and op.dst == "device"
                and op.shard.state == "param" and ancestors[i] & computes]
     assert (not waiting) == prefetch_all
+
+
+def test_microbatches_accumulate_and_step_once():
+    model = dataclasses.replace(gpt_model_spec(get_preset("gpt-tiny")), num_microbatches=3)
+    plan = plan_step(model, budgets=Budgets(device_bytes=2**30, host_bytes=2**30),
+                     placement=Placement(params="host", optimizer="host", grads="host"))
+    validate(plan)
+    num_units = len(model.units)
+    computes = [op for op in plan.ops if isinstance(op, Compute)]
+    assert len(computes) == 3 * (2 * num_units - 1)
+    assert [op.microbatch for op in computes] == sorted(op.microbatch for op in computes)
+    assert plan.count("OptimStep") == num_units
+    # After the first micro-batch every backward reads the gradients it adds to.
+    for op in computes:
+        if op.name.startswith("B") and op.microbatch > 0:
+            assert all(any(i.shard == o.shard for i in op.inputs) for o in op.outputs if o.shard.state == "grad")
+
+
+def test_optimizer_can_wait_for_the_whole_backward():
+    model = dataclasses.replace(gpt_model_spec(get_preset("gpt-tiny")), optimizer_waits_for_backward=True)
+    plan = plan_step(model, budgets=Budgets(device_bytes=2**30, host_bytes=2**30),
+                     placement=Placement(params="host", optimizer="host", grads="host"))
+    validate(plan)
+    last_backward = max(i for i, op in enumerate(plan.ops) if isinstance(op, Compute))
+
+    def depends_on(i: int, target: int) -> bool:
+        stack, seen = [i], set()
+        while stack:
+            j = stack.pop()
+            if j == target:
+                return True
+            if j not in seen:
+                seen.add(j)
+                stack.extend(plan.ops[j].deps)
+        return False
+
+    optim_steps = [i for i, op in enumerate(plan.ops) if isinstance(op, OptimStep)]
+    assert optim_steps and all(depends_on(i, last_backward) for i in optim_steps)
