@@ -1,7 +1,7 @@
-import dataclasses
 """Planner properties: every plan it returns passes the validator, budgets that are too small
 give a clear error, and Belady eviction never loads more than LRU on equal-size shards."""
 
+import dataclasses
 import re
 
 import pytest
