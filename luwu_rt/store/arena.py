@@ -68,7 +68,12 @@ class Arena:
         # Slots come from the planner; out-of-range or misaligned ones are planner bugs.
         assert 0 <= offset and offset + nbytes <= self.nbytes, (offset, nbytes, self.nbytes)
         assert offset % itemsize == 0 and nbytes % itemsize == 0, (offset, nbytes, dtype)
-        return self.buffer[offset : offset + nbytes].view(dtype)
+        # Not a slice of ``buffer``: slices share one autograd version counter, so a copy
+        # into one slot would look like an in-place change of every tensor saved for
+        # backward from another slot. A tensor set on the storage has its own counter.
+        out = torch.empty(0, dtype=dtype, device=self.buffer.device)
+        start = self.buffer.storage_offset() + offset  # bytes: buffer is uint8
+        return out.set_(self.buffer.untyped_storage(), start // itemsize, (nbytes // itemsize,))
 
     @staticmethod
     def round_up(nbytes: int) -> int:

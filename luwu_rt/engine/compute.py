@@ -1,0 +1,124 @@
+"""The ``Compute`` handler: one unit's forward or backward on its planned copies.
+
+The plan hands each ``Compute`` op the device copies of the parameters it
+reads and of the gradients it writes, as flat byte views into the device
+arena. This handler points the unit's parameters at those bytes (no copy),
+runs the unit, and writes (or, for a gradient a previous op already started,
+adds) the parameter gradients into the gradient views. Everything about where
+those bytes live and when they move is the plan's.
+
+[Note: gradient norm]
+When the last writer of a unit's gradients finishes (in the last micro-batch),
+the handler adds that unit's squared gradient norm to the step's total. The
+optimizer steps read the total only after the whole backward (the plan makes
+them wait when clipping or fp16 overflow checks are on), so it is complete.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from luwu_rt.engine.unitwise import UnitwiseConfig, _autocast, _backward_unit, _RngState
+from luwu_rt.exec.executor import Views
+from luwu_rt.models.units import UnitChain, _swap_in
+from luwu_rt.plan.ops import Compute, ShardId
+
+__all__ = ["UnitCompute", "bind_unit_params"]
+
+
+def bind_unit_params(chain: UnitChain, unit: int, flat: torch.Tensor) -> None:
+    """Points unit ``unit``'s own parameters at consecutive slices of ``flat`` (a typed flat tensor)."""
+    offset = 0
+    for param in chain.own_params(unit):
+        n = param.numel()
+        view = flat[offset : offset + n].view(param.shape)
+        if param.device == view.device and param.dtype == view.dtype:
+            param.data = view
+        else:  # first binding of a meta parameter: swap in place, keeping its identity
+            _swap_in(param, view)
+        offset += n
+
+
+class UnitCompute:
+    """Callable ``(op, views)`` for the executor's ``Compute`` ops of one training step."""
+
+    def __init__(self, chain: UnitChain, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 config: UnitwiseConfig) -> None:
+        self.chain = chain
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.config = config
+        self.last_writer = {u: min((u, *chain.readers(u))) for u in range(chain.num_units)}
+        self._lock = threading.Lock()
+        self.begin([])
+
+    def begin(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Resets per-step state for the micro-batches ``[(inputs, targets), ...]`` of the next step."""
+        self.batches = batches
+        self.ctx = [self.chain.context(inputs) for inputs, _ in batches]
+        self.saved: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+        self.rng: list[dict[int, _RngState]] = [{} for _ in batches]
+        self.carry: list[torch.Tensor | None] = [inputs for inputs, _ in batches]
+        self.losses: list[float] = []
+        self.grad_norm_sq = 0.0
+
+    def _bind(self, op: Compute, views: Views) -> None:
+        for unit in (op.unit, *self.chain.reads(op.unit)):
+            bind_unit_params(self.chain, unit, views[ShardId(unit, "param", 0)].view(self.param_dtype))
+
+    def __call__(self, op: Compute, views: Views) -> None:
+        self._bind(op, views)
+        if op.name.startswith("F"):
+            self._forward(op)
+        else:
+            self._backward(op, views)
+
+    def _forward(self, op: Compute) -> None:
+        mb, k = op.microbatch, op.unit
+        x = self.carry[mb]
+        self.saved[mb][k] = x
+        if self.config.preserve_rng:
+            self.rng[mb][k] = _RngState(x.device)
+        with torch.no_grad(), _autocast(x.device, self.config):
+            self.carry[mb] = self.chain.run(k, x, self.ctx[mb])
+
+    def _backward(self, op: Compute, views: Views) -> None:
+        mb, k = op.microbatch, op.unit
+        last = self.chain.num_units - 1
+        if k == last:  # [Note: the last unit runs once] in unitwise.py
+            self.saved[mb][k] = self.carry[mb]
+            if self.config.preserve_rng:
+                self.rng[mb][k] = _RngState(self.carry[mb].device)
+        x_in = self.saved[mb].pop(k)
+        grads, self.carry[mb], loss = _backward_unit(
+            self.chain, k, x_in, self.ctx[mb], self.batches[mb][1], self.carry[mb] if k != last else None,
+            is_last=k == last, rng=self.rng[mb].pop(k, None), config=self.config)
+        if loss is not None:
+            self.losses.append(loss)
+        written = {a.shard for a in op.inputs if a.shard.state == "grad"}
+        for unit in (k, *self.chain.reads(k)):
+            sid = ShardId(unit, "grad", 0)
+            flat = views[sid].view(self.grad_dtype)[: self.chain.num_unit_params(unit)]
+            self._write_grads(unit, flat, grads.get(unit), accumulate=sid in written)
+            if self.last_writer[unit] == k and mb == len(self.batches) - 1:
+                norm_sq = float(flat.float().pow(2).sum())  # [Note: gradient norm]
+                with self._lock:
+                    self.grad_norm_sq += norm_sq
+
+    def _write_grads(self, unit: int, flat: torch.Tensor, grads: list[torch.Tensor | None] | None,
+                     *, accumulate: bool) -> None:
+        offset = 0
+        for slot, param in enumerate(self.chain.own_params(unit)):
+            n = param.numel()
+            dst = flat[offset : offset + n]
+            grad = grads[slot] if grads is not None else None
+            if grad is None:
+                if not accumulate:
+                    dst.zero_()
+            elif accumulate:
+                dst.add_(grad.reshape(-1))
+            else:
+                dst.copy_(grad.reshape(-1))
+            offset += n

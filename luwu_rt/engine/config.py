@@ -1,0 +1,159 @@
+"""Configuration of a training run: ``luwu train`` flags, TOML files and the ``Engine`` API."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from luwu_rt.data import DataConfig
+from luwu_rt.plan.sizes import parse_size
+
+__all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig"]
+
+_TIERS = ("device", "host", "nvme", "auto")
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _size(value: int | str, name: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """Where each state kind lives between uses, and the budgets of the tiers."""
+
+    params: str = "auto"
+    """Home of the compute copy of the parameters: ``device``, ``host``, ``nvme`` or ``auto``."""
+    optimizer: str = "auto"
+    """Home of the fp32 master weights and the Adam moments."""
+    grads: str = "auto"
+    """Home of the gradients between backward and the optimizer step."""
+    device_mem: int | str = "1GiB"
+    """Device budget in bytes (``"4GiB"`` accepted). Without a GPU the device tier is a CPU arena of this size."""
+    host_mem: int | str = "2GiB"
+    """Pinned host arena budget in bytes."""
+    nvme_dir: str | None = None
+    """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it)."""
+    chunk_size: int | str = "4MiB"
+    """Storage chunk: the unit of file IO and checksums; a multiple of 4 KiB."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "optimizer", "grads"):
+            if getattr(self, name) not in _TIERS:
+                raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {', '.join(_TIERS)}")
+        self.device_mem = _size(self.device_mem, "offload.device_mem")
+        self.host_mem = _size(self.host_mem, "offload.host_mem")
+        self.chunk_size = _size(self.chunk_size, "offload.chunk_size")
+        if self.chunk_size <= 0 or self.chunk_size % 4096:
+            raise ValueError(f"offload.chunk_size={self.chunk_size} must be a positive multiple of 4096 bytes")
+        uses_nvme = "nvme" in (self.params, self.optimizer, self.grads)
+        if uses_nvme and not self.nvme_dir:
+            raise ValueError("state is placed on nvme but no --nvme-dir (offload.nvme_dir) was given")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay, and global-norm clipping."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 to ``lr``."""
+    beta1: float = 0.9
+    """First-moment decay."""
+    beta2: float = 0.95
+    """Second-moment decay."""
+    eps: float = 1e-8
+    """Denominator term."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"optim: need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0 or self.eps <= 0:
+            raise ValueError("optim: warmup_steps, grad_clip and weight_decay must be >= 0 and eps > 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim: betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpointing and resuming."""
+
+    dir: str | None = None
+    """Where checkpoints go (``<dir>/step_<N>/``); ``None`` saves none."""
+    every: int = 0
+    """Save every this many steps (and at the end); 0 saves only at the end."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``dir``."""
+    keep: int = 2
+    """Complete checkpoints kept; older ones are deleted after a new one is committed."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint: every must be >= 0 and keep >= 1, got {self.every}, {self.keep}")
+        if self.resume and not self.dir:
+            raise ValueError("--resume needs --ckpt-dir: the directory to resume from")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """A training run. Keys mirror ``luwu train`` flags; TOML files use the same keys and tables."""
+
+    model: str = "gpt-tiny"
+    """Built-in preset (see ``luwu plan --help``) when the engine builds the model."""
+    steps: int = 300
+    """Optimizer steps to run in total (a resumed run stops at the same step)."""
+    batch_size: int = 16
+    """Sequences per micro-batch."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    dtype: str = "fp32"
+    """Compute dtype of the parameters and activations: ``fp32``, ``bf16`` or ``fp16``; master weights stay fp32."""
+    loss_scale: float = 1024.0
+    """Static loss scale for ``fp16`` (steps whose gradients overflow are skipped)."""
+    seed: int = 0
+    """Seeds the initial weights and the batch order."""
+    eval_every: int = 100
+    """Evaluate on validation batches every this many steps (0: never)."""
+    eval_batches: int = 4
+    """Validation batches per evaluation."""
+    trace: str | None = None
+    """Write the last step's per-op spans here as Chrome trace JSON."""
+    json_log: str | None = None
+    """Append one JSON line per step here."""
+    io_backend: str = "auto"
+    """IO engine backend: ``auto``, ``io_uring`` or ``threads``."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Placement and budgets."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(_DTYPES)}")
+        if not self.loss_scale > 0:
+            raise ValueError(f"loss_scale must be positive, got {self.loss_scale}")
+        if self.eval_every < 0 or self.eval_batches <= 0:
+            raise ValueError("eval_every must be >= 0 and eval_batches > 0")
+        if self.json_log:
+            parent = os.path.dirname(os.path.abspath(self.json_log))
+            if not os.path.isdir(parent):
+                raise ValueError(f"--json-log {self.json_log}: directory {parent} does not exist")

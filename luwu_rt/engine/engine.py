@@ -1,0 +1,301 @@
+"""``Engine``: out-of-core training of a chain of units (strategy ``local``).
+
+Per step: sample micro-batches, run the step's ``SwapPlan`` through the
+executor, whose ``Compute`` ops run units forward and backward
+(``engine/compute.py``) and whose ``OptimStep`` ops run the fused AdamW kernel
+on each unit's shards as soon as the plan allows (``exec/optim.py``). The plan
+was made once, at construction, from the model's unit sizes, the placement and
+the budgets, and checked by the validator; every step repeats it.
+
+[Note: clipping]
+Global-norm clipping is exact: it waits for the norm. The gradient norm is only
+known after the whole backward, so with ``grad_clip > 0`` (and for fp16, whose
+overflow check needs the norm too) the plan holds every optimizer step until
+backward ends (``ModelSpec.optimizer_waits_for_backward``). Loads of optimizer
+state still overlap backward; the update itself does not. With clipping off,
+each unit's update overlaps the backward of the units below it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from luwu_rt.config import from_mapping, merge
+from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_checkpoints
+from luwu_rt.engine.compute import UnitCompute, bind_unit_params
+from luwu_rt.engine.config import TrainConfig
+from luwu_rt.engine.schedule import lr_at
+from luwu_rt.engine.unitwise import UnitHooks, UnitwiseConfig, unitwise_loss
+from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, Span
+from luwu_rt.exec.executor import nvme_regions
+from luwu_rt.models.units import UnitChain, chain_from_sequential
+from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, estimate, plan_auto, validate
+from luwu_rt.store import Arena, NvmeTier
+
+__all__ = ["Engine"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
+
+
+def _as_chain(model: str | UnitChain | nn.Module | Sequence[nn.Module] | Callable[[], Any]) -> UnitChain:
+    from luwu_rt.models.gpt import build_gpt
+
+    if isinstance(model, str):
+        return build_gpt(model)  # on meta; units are materialised one at a time
+    if isinstance(model, UnitChain):
+        return model
+    if isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
+        return chain_from_sequential(model)
+    if callable(model) and not isinstance(model, nn.Module):
+        return _as_chain(model())
+    raise ValueError(f"Engine needs a preset name, a UnitChain, an nn.Sequential-like list of units or a factory "
+                     f"returning one; got {type(model).__name__} (wrap other models with an adapter, see "
+                     "luwu_rt.models.hf)")
+
+
+class _HomeHooks(UnitHooks):
+    """Evaluation outside the plan: each unit reads its parameters from their home copies."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def acquire(self, index: int, *, phase) -> None:
+        for unit in (index, *self.engine.chain.reads(index)):
+            n = self.engine.chain.num_unit_params(unit)
+            flat = self.engine.executor.read_state(unit, "param", torch.empty(n, dtype=self.engine.param_dtype))
+            bind_unit_params(self.engine.chain, unit, flat.to(self.engine.device))
+
+
+class Engine:
+    """Trains a chain of units whose parameters and optimizer state live where the plan puts them.
+
+    ``model``: a preset name (``"gpt-tiny"``), a ``UnitChain``, an ``nn.Sequential``-like list of units,
+    or a factory returning one. Models built on the ``meta`` device are materialised unit by unit
+    into the store from ``config.seed``.
+    """
+
+    def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True) -> None:
+        self.config = config = config or TrainConfig()
+        self.chain = _as_chain(model if model is not None else config.model)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.param_dtype = _DTYPES[config.dtype]
+        self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
+        self.model_spec = self._model_spec()
+        self._plan()
+        self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=self.param_dtype,
+                                   config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum))
+        self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
+        self.executor = Executor(self.plan, arenas=self.arenas, nvme=self.nvme,
+                                 handlers={"Compute": self.compute, "OptimStep": self._optim_step})
+        self.step = 0
+        """Optimizer steps taken (the step number of the last completed ``train_step``)."""
+        self.adam_step = 0
+        """Updates applied (steps skipped for non-finite gradients do not count), Adam's ``t``."""
+        self.last_spans: list[Span] = []
+        self._sampler = None
+        if materialize:
+            self._materialize()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _model_spec(self) -> ModelSpec:
+        c, chain = self.config, self.chain
+        elem = torch.empty((), dtype=self.param_dtype).element_size()
+        units = tuple(UnitSpec(name=chain.names[i], num_params=chain.num_unit_params(i), reads=chain.reads(i),
+                               flops_per_token=2 * chain.num_unit_params(i)) for i in range(chain.num_units))
+        empty = [u.name for u in units if u.num_params == 0]
+        if empty:
+            raise ValueError(f"units {empty} own no parameters; merge them into a neighbouring unit")
+        # One shard per (unit, state): a unit's parameters must be one contiguous run of bytes on
+        # the device so that its modules can point at them; chunks still cut its IO.
+        return ModelSpec(units=units, param_bytes=elem, grad_bytes=elem, chunk_bytes=c.offload.chunk_size,
+                         max_shards_per_state=1, tokens_per_step=c.batch_size * c.seq_len * c.grad_accum,
+                         num_microbatches=c.grad_accum,
+                         optimizer_waits_for_backward=c.optim.grad_clip > 0 or c.dtype == "fp16")
+
+    def _plan(self) -> None:
+        off = self.config.offload
+        nvme_root = Path(off.nvme_dir) / "luwu_state" if off.nvme_dir else None
+        nvme_bytes = 0
+        if nvme_root is not None:
+            os.makedirs(off.nvme_dir, exist_ok=True)
+            nvme_bytes = shutil.disk_usage(off.nvme_dir).free
+        budgets = Budgets(device_bytes=off.device_mem, host_bytes=off.host_mem, nvme_bytes=nvme_bytes)
+        placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
+        result = plan_auto(self.model_spec, budgets=budgets, placement=placement, profile=HardwareProfile())
+        validate(result.plan)
+        self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
+        self.arenas = {t: Arena(n, tier=t, device=self.device if t == "device" else None)
+                       for t, n in self.plan.arena_bytes.items()}
+        regions = nvme_regions(self.plan)
+        self.nvme = None
+        if regions:
+            from luwu_rt.io import IOEngine
+
+            self._io = IOEngine(backend=self.config.io_backend)
+            # The NVMe tier is scratch space: the checkpoint, not these files, survives a crash.
+            # Start from a clean tier so that a previous run's layout never blocks this one.
+            if nvme_root.exists():
+                shutil.rmtree(nvme_root)
+            self.nvme = NvmeTier(nvme_root, regions=regions, chunk_bytes=self.model_spec.chunk_bytes, engine=self._io)
+
+    def _materialize(self) -> None:
+        """Initialises every unit from ``(seed, unit)`` straight into the store, one unit at a time."""
+        for u in range(self.chain.num_units):
+            self.chain.materialize(u, seed=self.config.seed)
+            flat = torch.cat([p.detach().reshape(-1).float() for p in self.chain.own_params(u)])
+            self.chain.release(u)
+            self._write_unit(u, {"master": flat, "exp_avg": torch.zeros_like(flat),
+                                 "exp_avg_sq": torch.zeros_like(flat)})
+
+    def _write_unit(self, unit: int, states: dict[str, torch.Tensor]) -> None:
+        for state, values in states.items():
+            self.executor.write_state(unit, state, values)
+        if "param" not in states:
+            self.executor.write_state(unit, "param", states["master"].to(self.param_dtype))
+        if self.nvme is not None:
+            self.nvme.flush()
+
+    # -- training -----------------------------------------------------------------------------
+
+    def _hyper(self) -> AdamWHyper:
+        o, c = self.config.optim, self.config
+        norm = self.grad_norm()
+        clip = min(1.0, o.grad_clip / (norm + 1e-6)) if o.grad_clip > 0 and math.isfinite(norm) else 1.0
+        lr = lr_at(self.step + 1, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=c.steps)
+        return AdamWHyper(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
+                          grad_scale=clip / self.loss_scale)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the last step's (unscaled) gradients."""
+        return math.sqrt(self.compute.grad_norm_sq) / self.loss_scale
+
+    def _optim_step(self, op, views) -> None:
+        # OptimStep ops run one at a time on their queue; the first of a step sets the
+        # hyper-parameters. The norm is complete here when it matters ([Note: clipping]).
+        if self._skip is None:
+            waits = self.model_spec.optimizer_waits_for_backward
+            self._skip = waits and not math.isfinite(self.grad_norm())
+            self.optimizer.hyper = self._hyper()
+        if not self._skip:
+            self.optimizer(op, views)
+
+    def sampler(self):
+        """The configured training data's batch sampler (created on first use)."""
+        if self._sampler is None:
+            from luwu_rt.data import BatchSampler, load_tokens
+
+            vocab = getattr(getattr(self.chain, "shape", None), "vocab_size", None) or 256
+            self.tokens = load_tokens(self.config.data, vocab_size=vocab)
+            c = self.config
+            self._sampler = BatchSampler(self.tokens.train, batch_size=c.batch_size, seq_len=c.seq_len,
+                                         seed=c.seed, vocab_size=vocab)
+        return self._sampler
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor] | list | None = None) -> dict[str, float]:
+        """One optimizer step. ``batch``: ``(inputs, targets)``, a list of ``grad_accum`` of them, or
+        ``None`` to draw the next ones from the configured data. Returns the step's metrics."""
+        c = self.config
+        if batch is None:
+            sampler = self.sampler()
+            batches = [sampler.batch(self.step * c.grad_accum + i) for i in range(c.grad_accum)]
+        else:
+            batches = list(batch) if isinstance(batch, list) else [batch]
+        if len(batches) != c.grad_accum:
+            raise ValueError(f"train_step got {len(batches)} micro-batches; the plan was made for grad_accum={c.grad_accum}")
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        self.compute.begin(batches)
+        self._skip = None
+        self.optimizer.step = self.adam_step + 1
+        start = time.perf_counter()
+        self.last_spans = self.executor.run()
+        step_s = time.perf_counter() - start
+        self.step += 1
+        if not self._skip:
+            self.adam_step += 1
+        tokens = sum(y.numel() for _, y in batches)
+        busy = _busy_by_queue(self.last_spans)
+        return {
+            "step": self.step, "loss": sum(self.compute.losses) / len(self.compute.losses),
+            "lr": self.optimizer.hyper.lr, "grad_norm": self.grad_norm(), "skipped": bool(self._skip),
+            "step_s": step_s, "tokens_per_s": tokens / step_s, "compute_s": busy.get("compute", 0.0),
+            "optim_s": busy.get("optim", 0.0),
+            "io_s": sum(busy.get(q, 0.0) for q in ("nvme_read", "nvme_write", "h2d", "d2h")),
+            "wait_s": max(step_s - busy.get("compute", 0.0), 0.0),  # compute queue idle: waiting on IO or the optimizer
+        }
+
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, *,
+                 num_batches: int | None = None) -> float:
+        """Mean loss over ``batches`` (default: ``config.eval_batches`` validation batches), no gradients."""
+        if batches is None:
+            from luwu_rt.data import BatchSampler
+
+            self.sampler()
+            c = self.config
+            val = BatchSampler(self.tokens.val, batch_size=c.batch_size, seq_len=c.seq_len, seed=c.seed + 1,
+                               vocab_size=self._sampler.vocab_size)
+            batches = [val.batch(i) for i in range(num_batches or c.eval_batches)]
+        hooks = _HomeHooks(self)
+        cfg = UnitwiseConfig()
+        losses = [unitwise_loss(self.chain, x.to(self.device), y.to(self.device), hooks=hooks, config=cfg)
+                  for x, y in batches]
+        return sum(losses) / len(losses)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _signature(self) -> dict[str, Any]:
+        return {"units": [{"name": self.chain.names[u], "params": [[n, list(p.shape)] for n, p in
+                                                                   self.chain.named_own_params(u)]}
+                          for u in range(self.chain.num_units)]}
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Writes a checkpoint of the current step under ``directory`` (atomically); returns its path."""
+        with CheckpointWriter(directory, step=self.step) as writer:
+            for u in range(self.chain.num_units):
+                n = self.chain.num_unit_params(u)
+                for state in PERSISTENT:
+                    dtype = self.param_dtype if state == "param" else torch.float32
+                    writer.add(f"u{u}.{state}", self.executor.read_state(u, state, torch.empty(n, dtype=dtype)))
+            path = writer.commit({"config": _config_dict(self.config), "step": self.step,
+                                  "adam_step": self.adam_step, "model": self._signature()})
+        keep = self.config.checkpoint.keep
+        for old in list_checkpoints(directory)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, model: Any = None, *, overrides: dict[str, Any] | None = None) -> "Engine":
+        """An engine restored from the checkpoint ``directory`` (a ``step_<N>`` directory).
+        ``overrides`` changes config keys (e.g. the number of steps, budgets or placement)."""
+        reader = CheckpointReader(directory)
+        config = from_mapping(TrainConfig, merge(reader.meta["config"], overrides or {}))
+        engine = cls(model, config, materialize=False)
+        if engine._signature() != reader.meta["model"]:
+            raise ValueError(f"checkpoint {directory} holds a different model than the one given "
+                             f"(unit names or parameter shapes differ)")
+        for u in range(engine.chain.num_units):
+            engine._write_unit(u, {state: reader.read(f"u{u}.{state}") for state in PERSISTENT})
+        engine.step, engine.adam_step = reader.meta["step"], reader.meta["adam_step"]
+        return engine
+
+
+def _busy_by_queue(spans: list[Span]) -> dict[str, float]:
+    busy: dict[str, float] = {}
+    for s in spans:
+        busy[s.queue] = busy.get(s.queue, 0.0) + (s.end_s - s.start_s)
+    return busy
+
+
+def _config_dict(config: TrainConfig) -> dict[str, Any]:
+    return asdict(config)
