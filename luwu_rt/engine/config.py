@@ -31,9 +31,9 @@ class OffloadConfig:
     """Home of the fp32 master weights and the Adam moments."""
     grads: str = "auto"
     """Home of the gradients between backward and the optimizer step."""
-    device_mem: int | str = "1GiB"
+    device_mem: int | str = "8MiB"
     """Device budget in bytes (``"4GiB"`` accepted). Without a GPU the device tier is a CPU arena of this size."""
-    host_mem: int | str = "2GiB"
+    host_mem: int | str = "32MiB"
     """Pinned host arena budget in bytes."""
     nvme_dir: str | None = None
     """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it)."""

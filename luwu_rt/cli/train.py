@@ -1,0 +1,145 @@
+"""`luwu train`: train a model larger than the device (and host) budgets.
+
+With no arguments it trains gpt-tiny on the embedded corpus (the Python
+standard library's source) on the CPU for 300 steps. Flags override a
+``--config`` TOML file, which overrides the defaults of ``TrainConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+# flag -> (config path, type). Flags default to None so that only the ones given override.
+_FLAGS: dict[str, tuple[tuple[str, ...], type]] = {
+    "model": (("model",), str), "steps": (("steps",), int), "batch_size": (("batch_size",), int),
+    "seq_len": (("seq_len",), int), "grad_accum": (("grad_accum",), int), "dtype": (("dtype",), str),
+    "seed": (("seed",), int), "trace": (("trace",), str), "json_log": (("json_log",), str),
+    "eval_every": (("eval_every",), int), "io_backend": (("io_backend",), str),
+    "device_mem": (("offload", "device_mem"), str), "host_mem": (("offload", "host_mem"), str),
+    "offload_params": (("offload", "params"), str), "offload_optimizer": (("offload", "optimizer"), str),
+    "offload_grads": (("offload", "grads"), str), "nvme_dir": (("offload", "nvme_dir"), str),
+    "chunk_size": (("offload", "chunk_size"), str), "lr": (("optim", "lr"), float),
+    "grad_clip": (("optim", "grad_clip"), float), "ckpt_dir": (("checkpoint", "dir"), str),
+    "ckpt_every": (("checkpoint", "every"), int), "data": (("data", "path"), str),
+    "data_dtype": (("data", "token_dtype"), str),
+}
+_HELP = {
+    "model": "built-in preset (gpt-tiny ... gpt-175b; default gpt-tiny)", "steps": "optimizer steps (default 300)",
+    "batch_size": "sequences per micro-batch (default 16)", "seq_len": "tokens per sequence (default 128)",
+    "grad_accum": "micro-batches per step (default 1)", "dtype": "compute dtype: fp32, bf16 or fp16 (default fp32)",
+    "seed": "seed of the initial weights and batch order (default 0)",
+    "trace": "write the last step's op spans as Chrome trace JSON (open in Perfetto)",
+    "json_log": "append one JSON line per step (step, loss, tokens_per_s, step_s, ...)",
+    "eval_every": "validation loss every N steps (default 100; 0 never)",
+    "io_backend": "IO engine backend: auto, io_uring or threads",
+    "device_mem": "device budget, e.g. 40GiB (default 8MiB, smaller than gpt-tiny; a CPU arena without a GPU)",
+    "host_mem": "pinned host budget, e.g. 200GiB (default 32MiB)",
+    "offload_params": "home of the parameters: device|host|nvme|auto (default auto)",
+    "offload_optimizer": "home of master weights and moments: device|host|nvme|auto (default auto)",
+    "offload_grads": "home of the gradients: device|host|nvme|auto (default auto)",
+    "nvme_dir": "directory of the NVMe tier", "chunk_size": "storage chunk size (default 4MiB)",
+    "lr": "peak learning rate (default 3e-3)", "grad_clip": "global-norm clip, 0 off (default 1.0)",
+    "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (default: only at the end)",
+    "data": "text file, nanoGPT .bin or directory with train.bin/val.bin (default: embedded corpus)",
+    "data_dtype": "token dtype of a .bin file: uint16 or uint32",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for name, (_path, kind) in _FLAGS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=_HELP[name])
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (path, _kind) in _FLAGS.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    if args.resume:
+        out.setdefault("checkpoint", {})["resume"] = True
+    return out
+
+
+def _build(args: argparse.Namespace):
+    from luwu_rt.config import from_mapping, load_toml, merge
+    from luwu_rt.engine import Engine, TrainConfig
+    from luwu_rt.engine.checkpoint import latest_checkpoint
+
+    settings = merge(load_toml(args.config) if args.config else {}, _overrides(args))
+    config = from_mapping(TrainConfig, settings)
+    if config.checkpoint.resume:
+        latest = latest_checkpoint(config.checkpoint.dir)
+        if latest is not None:
+            print(f"resuming from {latest}", file=sys.stderr)
+            return Engine.load(latest, overrides=settings)
+        print(f"no checkpoint in {config.checkpoint.dir}; starting from step 0", file=sys.stderr)
+    return Engine(None, config)
+
+
+def _describe(engine) -> str:
+    p, plan = engine.placement, engine.plan
+    from luwu_rt.plan import format_size
+
+    peaks = ", ".join(f"{t} {format_size(n)}" for t, n in plan.peak_bytes.items() if n)
+    return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
+            f"params on {p.params}, optimizer state on {p.optimizer}, grads on {p.grads}; peak {peaks}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    engine = _build(args)
+    c = engine.config
+    print(_describe(engine), file=sys.stderr)
+    log = open(c.json_log, "a") if c.json_log else None
+    totals = {"step_s": 0.0, "compute_s": 0.0, "optim_s": 0.0, "io_s": 0.0, "wait_s": 0.0}
+    ran = 0
+    bar = tqdm(total=c.steps, initial=engine.step, disable=args.quiet, unit="step", dynamic_ncols=True)
+    try:
+        while engine.step < c.steps:
+            m = engine.train_step()
+            ran += 1
+            for key in totals:
+                totals[key] += m[key]
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
+            if log:
+                log.write(json.dumps({k: m[k] for k in ("step", "loss", "tokens_per_s", "step_s", "lr",
+                                                        "grad_norm", "skipped")}) + "\n")
+                log.flush()
+            if c.eval_every and engine.step % c.eval_every == 0:
+                bar.write(f"step {engine.step}: validation loss {engine.evaluate():.4f}")
+            if c.checkpoint.dir and c.checkpoint.every and engine.step % c.checkpoint.every == 0:
+                engine.save(c.checkpoint.dir)
+    finally:
+        bar.close()
+        if log:
+            log.close()
+    if c.checkpoint.dir and (not c.checkpoint.every or engine.step % c.checkpoint.every):
+        engine.save(c.checkpoint.dir)
+    if c.trace and engine.last_spans:
+        from luwu_rt.exec import write_chrome_trace
+
+        write_chrome_trace(engine.last_spans, c.trace)
+    if ran:
+        avg = {k: v / ran for k, v in totals.items()}
+        other = max(avg["step_s"] - avg["compute_s"] - avg["wait_s"], 0.0)
+        print(f"step {engine.step}: loss {m['loss']:.4f}; per step {avg['step_s'] * 1e3:.1f} ms = compute "
+              f"{avg['compute_s'] * 1e3:.1f} + waiting on IO/optimizer {avg['wait_s'] * 1e3:.1f} + other "
+              f"{other * 1e3:.1f} ms (optimizer busy {avg['optim_s'] * 1e3:.1f} ms, IO busy {avg['io_s'] * 1e3:.1f} ms, "
+              f"overlapped)")
+    return 0
