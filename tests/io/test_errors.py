@@ -62,17 +62,16 @@ def test_descriptor_with_wrong_access_mode(engine, tmp_path):
 
 _EFBIG_CHILD = textwrap.dedent(
     """
-    import errno, resource, signal, sys
+    import resource, signal, sys
     from luwu_rt.io import IOEngine, aligned_empty
     path, backend, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so the kernel answers EFBIG instead of killing us
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     with IOEngine(backend=backend, queue_depth=4, block_bytes=64 << 10) as engine:
-        first = aligned_empty(limit // 2)
-        first.fill_(7)
-        engine.write(path, offset=0, buffer=first)
+        second = aligned_empty(limit)
+        second.fill_(9)
         try:
-            engine.write(path, offset=limit // 2, buffer=aligned_empty(limit))
+            engine.write(path, offset=limit // 2, buffer=second)
         except OSError as exc:
             print(exc.errno, exc.filename == path, flush=True)
             sys.exit(0)
@@ -81,17 +80,30 @@ _EFBIG_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("preexisting", (False, True), ids=("extending", "overwriting"))
 @pytest.mark.parametrize("backend", ("io_uring", "threads"))
-def test_write_failing_part_way_keeps_earlier_data(tmp_path, backend):
-    """RLIMIT_FSIZE in a child process makes the kernel fail the write with EFBIG mid-request."""
+def test_write_failing_part_way_keeps_earlier_data(tmp_path, backend, preexisting):
+    """RLIMIT_FSIZE in a child process makes the kernel refuse bytes past the limit with EFBIG.
+
+    Extending a file fails before any byte moves (the engine grows files up
+    front); overwriting an already larger file fails in the middle of the
+    request, after the pieces below the limit were written."""
     path, limit = tmp_path / "limited.bin", 1 << 20
+    half = limit // 2
+    path.write_bytes(bytes([7]) * (2 * limit if preexisting else half))
     child = subprocess.run(
         [sys.executable, "-c", _EFBIG_CHILD, str(path), backend, str(limit)],
         capture_output=True, text=True, timeout=120,
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.split() == [str(errno.EFBIG), "True"]
-    assert path.read_bytes()[: limit // 2] == bytes([7]) * (limit // 2)
+    data = path.read_bytes()
+    assert data[:half] == bytes([7]) * half  # earlier data intact
+    if preexisting:
+        assert data[half:limit] == bytes([9]) * half  # the pieces below the limit landed
+        assert data[limit:] == bytes([7]) * limit
+    else:
+        assert len(data) == half  # nothing written, the file not grown
 
 
 def _check_rejected(engine, path, buffer, match):
@@ -150,3 +162,15 @@ def test_auto_prefers_io_uring_when_available():
         expected = "threads"
     with IOEngine() as engine:
         assert engine.backend == expected
+
+
+def test_closed_engine(tmp_path):
+    engine = IOEngine(backend="threads")
+    ticket = engine.submit_write(tmp_path / "f", offset=0, buffer=aligned_empty(PAGE_BYTES))
+    engine.close()  # waits for the pending write first
+    engine.close()
+    assert (tmp_path / "f").stat().st_size == PAGE_BYTES
+    with pytest.raises(ValueError, match="IOEngine is closed"):
+        engine.wait(ticket)
+    with pytest.raises(ValueError, match="IOEngine is closed"):
+        engine.submit_read(tmp_path / "f", offset=0, buffer=aligned_empty(PAGE_BYTES))
