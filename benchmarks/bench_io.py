@@ -180,6 +180,9 @@ def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[s
         "",
         *[f"- {n}" for n in notes],
         "",
+        "`ours-io_uring` is what `IOEngine(backend=\"auto\")` picks here; `ours-threads` is the fallback backend"
+        " (pread/pwrite pool, 8 threads per direction).",
+        "",
         "## Raw throughput per round (GB/s, write / read)",
         "",
         "| contestant | " + " | ".join(f"round {i}" for i in range(args.rounds)) + " | median |",
@@ -192,6 +195,7 @@ def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[s
     lines += ["", "## Ratios (median of per-round ratios)", "", "| ours | peer | write | read | target |", "|---|---|---|---|---|"]
     fio_names = [n for n in rows if n.startswith("fio-")]
     best_fio = {k: max(fio_names, key=lambda n: statistics.median(p[k] for p in rows[n])) for k in (0, 1)} if fio_names else {}
+    verdicts = []
     for ours in ("ours-io_uring", "ours-threads"):
         if "deepspeed-aio" in rows:
             w, r = (_median_ratio(rows[ours], rows["deepspeed-aio"], k) for k in (0, 1))
@@ -200,7 +204,23 @@ def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[s
             w, r = (_median_ratio(rows[ours], rows[name], k) for k in (0, 1))
             best = " (best fio: " + ", ".join(d for d, k in (("write", 0), ("read", 1)) if best_fio[k] == name) + ")" if name in best_fio.values() else ""
             lines.append(f"| {ours} | {name}{best} | {w:.3f} | {r:.3f} | >= 0.95 vs best |")
+        verdicts += _verdicts(ours, rows, best_fio)
+    lines += ["", "## P3 verdict", "", *[f"- {v}" for v in verdicts]]
     return "\n".join(lines) + "\n"
+
+
+def _verdicts(ours: str, rows: dict[str, list[Pair]], best_fio: dict[int, str]) -> list[str]:
+    out = []
+    for k, direction in ((0, "write"), (1, "read")):
+        checks = []
+        if "deepspeed-aio" in rows:
+            checks.append(("DeepSpeed aio", _median_ratio(rows[ours], rows["deepspeed-aio"], k), 1.0))
+        if best_fio:
+            checks.append((f"best fio ({best_fio[k]})", _median_ratio(rows[ours], rows[best_fio[k]], k), 0.95))
+        for peer, ratio, target in checks:
+            status = "met" if ratio >= target else "NOT met"
+            out.append(f"{ours} {direction} vs {peer}: {ratio:.3f} (target >= {target}) — {status}")
+    return out
 
 
 if __name__ == "__main__":
