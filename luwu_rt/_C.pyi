@@ -1,6 +1,47 @@
 """Type stub for the native module luwu_rt._C (csrc/bindings.cpp)."""
 
 # ---- IO engine (csrc/io/) ----
+# Wrapped by luwu_rt.io (validation, tickets, OSError with the path); call that instead.
+
+from collections.abc import Callable
+import enum
+
+class IOOp(enum.Enum):
+    READ = 0
+    WRITE = 1
+
+class IOEngine:
+    def __init__(
+        self, *, backend: str, queue_depth: int, block_bytes: int, num_threads: int, num_cached_files: int
+    ) -> None:
+        """backend: "io_uring" or "threads". Raises OSError when io_uring cannot be set up."""
+    @property
+    def backend(self) -> str: ...
+    def submit(
+        self, *, op: IOOp, path: str, fd: int, buf: int, offset: int, nbytes: int, durable: bool
+    ) -> int:
+        """Ticket > 0; OSError(errno, message) when the file cannot be opened. fd >= 0 overrides path."""
+    def wait(self, ticket: int) -> tuple[int, str]:
+        """(0, "") on success, (errno, message) on failure, (-1, ...) for an unknown ticket."""
+    def done(self, ticket: int) -> bool: ...
+    def num_pending(self) -> int: ...
+    def forget(self, path: str) -> None:
+        """Drops cached descriptors of path ("" drops all)."""
+    def close(self) -> None: ...
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory exporting the buffer protocol (uint8, 1-D)."""
+    def __init__(self, nbytes: int, *, lock: bool) -> None: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def locked(self) -> bool: ...
+    def set_release_hook(self, hook: Callable[[], object]) -> None:
+        """Called just before the memory is unmapped."""
+    def __buffer__(self, flags: int) -> memoryview: ...
+
 
 # ---- optimizer kernels (csrc/optim/) ----
 

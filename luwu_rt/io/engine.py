@@ -123,10 +123,15 @@ class IOEngine:
             _log.warning("io_uring unavailable (%s); using the thread-pool backend", exc)
             return native.IOEngine(backend="threads", **kwargs)
 
+    def _native(self):
+        if self._impl is None:
+            raise ValueError("IOEngine is closed")
+        return self._impl
+
     @property
     def backend(self) -> str:
         """The active backend: ``"io_uring"`` or ``"threads"``."""
-        return self._impl.backend
+        return self._native().backend
 
     def submit_read(self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor) -> IOTicket:
         """Starts reading ``buffer.nbytes`` bytes at ``offset`` into ``buffer``.
@@ -156,7 +161,7 @@ class IOEngine:
         nbytes = buffer.numel() * buffer.element_size()
         native_op = _C.IOOp.READ if op == "read" else _C.IOOp.WRITE
         try:
-            ticket_id = self._impl.submit(
+            ticket_id = self._native().submit(
                 op=native_op, path=path, fd=fd, buf=buffer.data_ptr(), offset=offset, nbytes=nbytes, durable=durable
             )
         except OSError as exc:
@@ -168,16 +173,17 @@ class IOEngine:
     def wait(self, ticket: IOTicket) -> None:
         """Blocks until ``ticket`` completes (the GIL is released meanwhile);
         raises ``OSError(errno, message, path)`` if it failed."""
+        native = self._native()
         if not isinstance(ticket, IOTicket) or self._tickets.get(ticket.id) is not ticket:
             raise ValueError(f"wait: {ticket!r} is not a pending ticket of this engine (already waited for?)")
-        err, msg = self._impl.wait(ticket.id)
+        err, msg = native.wait(ticket.id)
         del self._tickets[ticket.id]
         if err != 0:
             raise OSError(err, msg, ticket.path)
 
     def done(self, ticket: IOTicket) -> bool:
         """True once ``ticket`` has completed (successfully or not); never blocks."""
-        return self._impl.done(ticket.id)
+        return self._native().done(ticket.id)
 
     def wait_all(self) -> None:
         """Waits for every pending ticket; raises the first failure after all have completed."""
@@ -200,7 +206,7 @@ class IOEngine:
 
     def forget(self, path: str | os.PathLike) -> None:
         """Closes the cached descriptors of ``path`` (e.g. before deleting it)."""
-        self._impl.forget(os.fspath(path))
+        self._native().forget(os.fspath(path))
 
     @property
     def num_pending(self) -> int:

@@ -1,0 +1,227 @@
+"""P3 (PERFORMANCE.md): the IO engine vs DeepSpeed's async IO op vs fio.
+
+One file of --size-mb (default 1 GiB) is written then read with O_DIRECT at the
+same block size and queue depth by each contestant, in interleaved rounds so
+that disk drift hits all of them alike. Per round we take the ratio ours/peer;
+the figure reported is the median of those per-round ratios. fio runs with
+each of its async engines (io_uring, libaio); "best fio" is the setting with
+the highest median throughput. Peers that are missing are reported as such.
+
+    python benchmarks/bench_io.py --dir /var/tmp --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from luwu_rt.cli.bench_io import measure
+from luwu_rt.io import aligned_empty
+
+FIO_ENGINES = ("io_uring", "libaio")
+Pair = tuple[float, float]  # (write GB/s, read GB/s)
+
+
+def _scratch(directory: str, tag: str) -> str:
+    return os.path.join(directory, f".bench-io-{tag}-{uuid.uuid4().hex}")
+
+
+def make_deepspeed(block_bytes: int, queue_depth: int, num_threads: int) -> tuple[Callable | None, str]:
+    """A runner for DeepSpeed's aio op, or None and the reason it is unavailable."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible():
+            return None, "DeepSpeed AsyncIOBuilder is not compatible here (libaio-dev missing?)"
+        aio = AsyncIOBuilder().load(verbose=False)
+    except Exception as exc:  # a peer failing to build must not stop our own figures
+        return None, f"DeepSpeed async IO unavailable: {type(exc).__name__}: {exc}"
+    handle = aio.aio_handle(block_bytes, queue_depth, False, True, num_threads)
+    buffers: dict[str, torch.Tensor] = {}
+
+    def run(directory: str, source: torch.Tensor) -> Pair:
+        if "w" not in buffers:  # DeepSpeed wants its own page-locked tensors
+            for key in ("w", "r"):
+                buffers[key] = handle.new_cpu_locked_tensor(source.numel(), torch.empty(0, dtype=torch.uint8))
+            buffers["w"].copy_(source)
+        path = _scratch(directory, "ds")
+        try:
+            start = time.perf_counter()
+            handle.sync_pwrite(buffers["w"], path)
+            write_s = time.perf_counter() - start
+            start = time.perf_counter()
+            handle.sync_pread(buffers["r"], path)
+            read_s = time.perf_counter() - start
+            if not torch.equal(buffers["r"], buffers["w"]):
+                raise RuntimeError("DeepSpeed read back different bytes")
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        return source.numel() / write_s / 1e9, source.numel() / read_s / 1e9
+
+    return run, f"deepspeed {_version('deepspeed')} aio_handle(block {block_bytes}, depth {queue_depth}, threads {num_threads})"
+
+
+def _fio(path: str, rw: str, size_bytes: int, block_bytes: int, queue_depth: int, engine: str) -> float:
+    cmd = [
+        "fio", "--name=p3", f"--filename={path}", f"--rw={rw}", f"--bs={block_bytes}", f"--size={size_bytes}",
+        f"--iodepth={queue_depth}", f"--ioengine={engine}", "--direct=1", "--numjobs=1", "--output-format=json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    job = json.loads(out.stdout)["jobs"][0]
+    return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
+
+
+def make_fio(size_bytes: int, block_bytes: int, queue_depth: int, engine: str) -> Callable:
+    def run(directory: str, source: torch.Tensor) -> Pair:
+        path = _scratch(directory, f"fio-{engine}")
+        try:
+            write = _fio(path, "write", size_bytes, block_bytes, queue_depth, engine)
+            read = _fio(path, "read", size_bytes, block_bytes, queue_depth, engine)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        return write, read
+
+    return run
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return "?"
+
+
+def _fio_version() -> str:
+    return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/var/tmp", help="directory on the disk under test")
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--block-kb", type=int, default=1024)
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--ds-threads", type=int, default=2, help="DeepSpeed intra_op_parallelism")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None, help="results markdown (default benchmarks/results/<today>-io.md)")
+    args = parser.parse_args(argv)
+    size, block, depth = args.size_mb << 20, args.block_kb << 10, args.queue_depth
+
+    source = aligned_empty(size)
+    source.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    contestants: dict[str, Callable] = {}
+    for backend in ("io_uring", "threads"):
+        contestants[f"ours-{backend}"] = lambda d, s, b=backend: _ours(d, s, block, depth, b)
+    notes = []
+    ds_run, ds_note = make_deepspeed(block, depth, args.ds_threads)
+    notes.append(ds_note)
+    if ds_run is not None:
+        contestants["deepspeed-aio"] = ds_run
+    if shutil.which("fio"):
+        notes.append(_fio_version())
+        for engine in FIO_ENGINES:
+            contestants[f"fio-{engine}"] = make_fio(size, block, depth, engine)
+    else:
+        notes.append("fio not installed: no fio figures")
+
+    rows: dict[str, list[Pair]] = {name: [] for name in contestants}
+    for rnd in range(args.rounds):
+        # Rotate the order each round so no contestant always follows the same one.
+        names = list(contestants)
+        names = names[rnd % len(names):] + names[: rnd % len(names)]
+        for name in names:
+            rows[name].append(contestants[name](args.dir, source))
+            w, r = rows[name][-1]
+            print(f"round {rnd} {name:18s} write {w:6.2f} GB/s  read {r:6.2f} GB/s", flush=True)
+
+    report = _report(rows, args, notes)
+    print(report)
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{date.today().isoformat()}-io.md"
+    out.write_text(report)
+    print(f"saved {out}")
+    return 0
+
+
+def _ours(directory: str, source: torch.Tensor, block: int, depth: int, backend: str) -> Pair:
+    r = measure(directory, size_bytes=source.numel(), block_bytes=block, queue_depth=depth, backend=backend, buffer=source)
+    return r.write_gbps, r.read_gbps
+
+
+def _median_ratio(ours: list[Pair], peer: list[Pair], k: int) -> float:
+    return statistics.median(o[k] / p[k] for o, p in zip(ours, peer))
+
+
+def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[str]) -> str:
+    lines = [
+        f"# IO engine vs DeepSpeed aio vs fio (P3) — {date.today().isoformat()}",
+        "",
+        f"`python benchmarks/bench_io.py --dir {args.dir} --size-mb {args.size_mb} --block-kb {args.block_kb} "
+        f"--queue-depth {args.queue_depth} --rounds {args.rounds}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}. File {args.size_mb} MiB, O_DIRECT, block {args.block_kb} KiB, queue depth {args.queue_depth}.",
+        "",
+        *[f"- {n}" for n in notes],
+        "",
+        "`ours-io_uring` is what `IOEngine(backend=\"auto\")` picks here; `ours-threads` is the fallback backend"
+        " (pread/pwrite pool, 8 threads per direction).",
+        "",
+        "## Raw throughput per round (GB/s, write / read)",
+        "",
+        "| contestant | " + " | ".join(f"round {i}" for i in range(args.rounds)) + " | median |",
+        "|---|" + "---|" * (args.rounds + 1),
+    ]
+    for name, pairs in rows.items():
+        cells = [f"{w:.2f} / {r:.2f}" for w, r in pairs]
+        med = f"{statistics.median(p[0] for p in pairs):.2f} / {statistics.median(p[1] for p in pairs):.2f}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {med} |")
+    lines += ["", "## Ratios (median of per-round ratios)", "", "| ours | peer | write | read | target |", "|---|---|---|---|---|"]
+    fio_names = [n for n in rows if n.startswith("fio-")]
+    best_fio = {k: max(fio_names, key=lambda n: statistics.median(p[k] for p in rows[n])) for k in (0, 1)} if fio_names else {}
+    verdicts = []
+    for ours in ("ours-io_uring", "ours-threads"):
+        if "deepspeed-aio" in rows:
+            w, r = (_median_ratio(rows[ours], rows["deepspeed-aio"], k) for k in (0, 1))
+            lines.append(f"| {ours} | deepspeed-aio | {w:.3f} | {r:.3f} | >= 1.0 |")
+        for name in fio_names:
+            w, r = (_median_ratio(rows[ours], rows[name], k) for k in (0, 1))
+            best = " (best fio: " + ", ".join(d for d, k in (("write", 0), ("read", 1)) if best_fio[k] == name) + ")" if name in best_fio.values() else ""
+            lines.append(f"| {ours} | {name}{best} | {w:.3f} | {r:.3f} | >= 0.95 vs best |")
+        verdicts += _verdicts(ours, rows, best_fio)
+    lines += ["", "## P3 verdict", "", *[f"- {v}" for v in verdicts]]
+    return "\n".join(lines) + "\n"
+
+
+def _verdicts(ours: str, rows: dict[str, list[Pair]], best_fio: dict[int, str]) -> list[str]:
+    out = []
+    for k, direction in ((0, "write"), (1, "read")):
+        checks = []
+        if "deepspeed-aio" in rows:
+            checks.append(("DeepSpeed aio", _median_ratio(rows[ours], rows["deepspeed-aio"], k), 1.0))
+        if best_fio:
+            checks.append((f"best fio ({best_fio[k]})", _median_ratio(rows[ours], rows[best_fio[k]], k), 0.95))
+        for peer, ratio, target in checks:
+            status = "met" if ratio >= target else "NOT met"
+            out.append(f"{ours} {direction} vs {peer}: {ratio:.3f} (target >= {target}) — {status}")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
