@@ -14,6 +14,7 @@ import sys
 # (command path, module, one-line help). A path of two words is a nested
 # subcommand such as `luwu bench io`.
 COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("bench", "optim"), "luwu_rt.cli.bench_optim", "optimizer step throughput: our backends vs peers vs memory"),
 )
 
 _GROUP_HELP = {"bench": "measure throughput of the runtime's parts against their peers"}
