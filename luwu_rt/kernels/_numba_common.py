@@ -1,7 +1,8 @@
 """Per-element Adam/SGD math shared by the Numba CPU and Numba CUDA backends.
 
-The functions are plain @njit functions on scalars: the CPU kernel inlines them
-into its prange loop, CUDA kernels compile them for the device, and under the
+The functions are plain @njit functions on scalars, inlined at Numba-IR level
+(inline="always": a call per element stops LLVM from vectorising the loop and
+costs ~4x) into the CPU kernel's prange loop and the CUDA kernels, and under the
 CUDA simulator they run as compiled CPU code called from the simulated threads
 (which is why arrays are indexed in the kernels, not here).
 They mirror csrc/optim/kernel_body.h op for op, in float32.
@@ -50,14 +51,19 @@ def f32_bits(typingctx, x):
     return types.int64(x), codegen
 
 
-@njit(cache=True)
-def fma32(a, b, c):
-    # The float32 product is exact in float64, so this rounds once more than a
-    # true fma only in the rare double-rounding case (Numba has no fma).
-    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c with one rounding (llvm.fma.f32: vfmadd on x86, fma.rn on CUDA)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fma(*args)
+
+    return types.float32(a, b, c), codegen
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def f16_bits_to_f32(h):
     w = np.int64(h) << 16
     sign = w & 0x80000000
@@ -68,7 +74,7 @@ def f16_bits_to_f32(h):
     return bits_as_f32(sign | body)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def f32_to_f16_bits(x):
     base = (abs(x) * bits_as_f32(0x77800000)) * bits_as_f32(0x08800000)
     w = f32_bits(x)
@@ -81,7 +87,7 @@ def f32_to_f16_bits(x):
     return (sign >> 16) | (0x7E00 if shl1_w > 0xFF000000 else nonsign)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def f32_to_bf16_bits(x):
     if x != x:
         return 0xFFFF  # torch's encoding of every NaN
@@ -89,7 +95,7 @@ def f32_to_bf16_bits(x):
     return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def half_bits_to_f32(h, kind):
     """bf16 (kind 2) or fp16 (kind 3) bits to float32."""
     if kind == 2:
@@ -97,7 +103,7 @@ def half_bits_to_f32(h, kind):
     return f16_bits_to_f32(h)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def f32_to_half_bits(x, kind):
     """float32 to bf16 (kind 2) or fp16 (kind 3) bits, round to nearest even."""
     if kind == 2:
@@ -105,7 +111,7 @@ def f32_to_half_bits(x, kind):
     return np.uint16(f32_to_f16_bits(x))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def adam_elem(p, g, m, v, l2, decay, wd, lerp_w, small, beta2, omb2, bc2s, eps, nss):
     if l2:
         g = fma32(p, wd, g)
@@ -119,7 +125,7 @@ def adam_elem(p, g, m, v, l2, decay, wd, lerp_w, small, beta2, omb2, bc2s, eps, 
     return p, m, v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def sgd_elem(p, g, buf, use_wd, wd, use_buf, first, nesterov, mom, omd, nlr):
     if use_wd:
         g = fma32(p, wd, g)
