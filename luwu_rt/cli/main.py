@@ -18,6 +18,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("plan",), "luwu_rt.cli.plan", "plan a training step: where each state lives, peak memory, IO and step time"),
     (("bench", "io"), "luwu_rt.cli.bench_io", "O_DIRECT write/read throughput of the IO engine on a directory"),
     (("bench", "offload-step"), "luwu_rt.cli.bench_offload", "one AdamW step with optimizer state on NVMe vs the IO bound"),
+    (("bench", "optim"), "luwu_rt.cli.bench_optim", "optimizer step throughput: our backends vs peers vs memory"),
 )
 
 _GROUP_HELP = {"bench": "measure throughput of the runtime's parts against their peers"}

@@ -1,0 +1,90 @@
+"""P1 and P2 (PERFORMANCE.md): the fused AdamW step against the memory-traffic
+probe, DeepSpeedCPUAdam and torch's fused AdamW, in interleaved rounds.
+
+    .venv/bin/python benchmarks/bench_optim.py [--numel N] [--rounds R] [--out results.md]
+
+Every ratio is the median over rounds of (ours / peer) measured in the same
+round. Peers missing from the environment are reported as such; our own
+figures are still measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import platform
+import statistics
+import sys
+
+import torch
+
+from luwu_rt.kernels.bench import OptimBench, OptimBenchConfig, RoundResults
+
+# (ours, peer, target ratio) per figure.
+P1_TARGETS = [("cpp", "probe", 0.9), ("cpp", "deepspeed", 1.15), ("cpp", "torch-fused", 1.05)]
+P2_TARGETS = [("cpp", "deepspeed", 1.3)]
+
+
+def _machine() -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    import luwu_rt.kernels._cpp as cpp
+
+    return (f"{model}, {torch.get_num_threads()} threads, kernels ISA {cpp.best_isa()}, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def _measure(config: OptimBenchConfig, names: list[str]) -> RoundResults:
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs on stdout
+        bench = OptimBench(config)
+        return bench.run(bench.contestants(names), log=lambda line: print(line, file=sys.stderr))
+
+
+def _section(title: str, results: RoundResults, targets: list[tuple[str, str, float]]) -> list[str]:
+    lines = [f"### {title}", "", "| contestant | M params/s per round | median |", "|---|---|---|"]
+    for name, values in results.mparams_per_s.items():
+        lines.append(f"| {name} | {', '.join(f'{v:.0f}' for v in values)} | {statistics.median(values):.0f} |")
+    for name, reason in results.unavailable.items():
+        lines.append(f"| {name} | unavailable: {reason} | |")
+    lines += ["", "| ratio (median of per-round ratios) | measured | target | met |", "|---|---|---|---|"]
+    for ours, peer, target in targets:
+        if peer not in results.mparams_per_s:
+            lines.append(f"| {ours} / {peer} | peer unavailable | >= {target} | n/a |")
+            continue
+        ratio = results.ratio(ours, peer)
+        lines.append(f"| {ours} / {peer} | {ratio:.3f} | >= {target} | {'yes' if ratio >= target else 'NO'} |")
+    return lines + [""]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--out", default=None, help="also write the markdown report here")
+    args = parser.parse_args()
+
+    p1 = _measure(OptimBenchConfig(numel=args.numel, num_rounds=args.rounds),
+                  ["probe", "cpp", "numba", "torch-fused", "torch-foreach", "deepspeed"])
+    p2 = _measure(OptimBenchConfig(numel=args.numel, grad_dtype="bf16", param_out="bf16", num_rounds=args.rounds),
+                  ["probe", "cpp", "numba", "torch-fused", "deepspeed"])
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# Fused AdamW step: P1 / P2 ({now})", "",
+             f"Machine: {_machine()}.", "",
+             f"{args.numel} fp32 parameters per step, {args.rounds} interleaved rounds (order rotated per round), "
+             "each contestant timed 3 times per round (median kept). Command: "
+             f"`python benchmarks/bench_optim.py --numel {args.numel} --rounds {args.rounds}`.", "",
+             *_section("P1: fp32 AdamW (fp32 grads, no copy-out)", p1, P1_TARGETS),
+             *_section("P2: bf16 grads in + bf16 param copy-out (peers: fp32 step + separate bf16 cast)", p2,
+                       P2_TARGETS)]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+// Run-time ISA choice and the static multithreaded split of one flat range.
+#include <algorithm>
+
+#include "optim/kernels.h"
+#include "optim/thread_pool.h"
+
+namespace luwu::optim {
+namespace {
+
+// Below this many elements per thread, waking a worker costs more than the
+// slice it would take (an fp32 AdamW element is ~0.5 ns at memory speed).
+constexpr int64_t kMinPerThread = 1 << 16;
+// Split points are multiples of 16 fp32 elements (64 bytes), so two threads
+// never write the same cache line and every slice starts vector-aligned.
+constexpr int64_t kSplitAlign = 16;
+
+template <class Args>
+struct Job {
+  const Args* args;
+  void (*fn)(const Args&, int64_t, int64_t);
+  int64_t numel;
+  int64_t per_thread;
+};
+
+template <class Args>
+void job_task(void* ctx, int index, int /*count*/) {
+  const auto* job = static_cast<const Job<Args>*>(ctx);
+  const int64_t begin = index * job->per_thread;
+  const int64_t end = std::min(job->numel, begin + job->per_thread);
+  if (begin < end) job->fn(*job->args, begin, end);
+}
+
+template <class Args>
+void run_split(const Args& a, int64_t numel, int num_threads, void (*fn)(const Args&, int64_t, int64_t)) {
+  if (numel <= 0) return;
+  const int64_t useful = std::max<int64_t>(1, numel / kMinPerThread);
+  const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, useful)));
+  int64_t per = (numel + count - 1) / count;
+  per = (per + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  Job<Args> job{&a, fn, numel, per};
+  ThreadPool::instance().run(count, job_task<Args>, &job);
+}
+
+}  // namespace
+
+bool isa_supported(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && isa_supported(Isa::kAvx2);
+    case Isa::kAvx2:
+      // Every AVX2 CPU also has F16C, which the half conversions use.
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::kScalar:
+      return true;
+  }
+  return false;
+}
+
+Isa best_isa() {
+  static const Isa best = isa_supported(Isa::kAvx512) ? Isa::kAvx512
+                          : isa_supported(Isa::kAvx2) ? Isa::kAvx2
+                                                      : Isa::kScalar;
+  return best;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kScalar: return "scalar";
+  }
+  return "?";
+}
+
+void run_adam(const AdamArgs& a, int64_t numel, Isa isa, int num_threads) {
+  auto fn = isa == Isa::kAvx512 ? avx512::adam : isa == Isa::kAvx2 ? avx2::adam : scalar::adam;
+  run_split(a, numel, num_threads, fn);
+}
+
+void run_sgd(const SgdArgs& a, int64_t numel, Isa isa, int num_threads) {
+  auto fn = isa == Isa::kAvx512 ? avx512::sgd : isa == Isa::kAvx2 ? avx2::sgd : scalar::sgd;
+  run_split(a, numel, num_threads, fn);
+}
+
+void run_probe(const ProbeArgs& a, int64_t numel, Isa isa, int num_threads) {
+  auto fn = isa == Isa::kAvx512 ? avx512::probe : isa == Isa::kAvx2 ? avx2::probe : scalar::probe;
+  run_split(a, numel, num_threads, fn);
+}
+
+}  // namespace luwu::optim
