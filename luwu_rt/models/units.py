@@ -27,14 +27,17 @@ so that modules which share a parameter keep sharing it.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["UnitChain", "chain_from_sequential", "lm_loss", "unit_seed"]
+__all__ = ["ParamSpec", "UnitChain", "chain_from_sequential", "lm_loss", "unit_seed"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 InitFn = Callable[[nn.Module], None]
@@ -61,6 +64,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     vocabulary loses digits in bf16.
     """
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamSpec:
+    """One parameter of a unit, as a store needs it before the parameter exists."""
+
+    name: str
+    """Name inside the unit module, e.g. ``attn.qkv.weight``."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+    dtype: str
+    """Torch dtype name without the ``torch.`` prefix, e.g. ``float32``."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 def _swap_in(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -131,6 +150,22 @@ class UnitChain:
         for name, param in self.units[index].named_parameters():
             if id(param) in own:
                 yield name, param
+
+    def layout(self, index: int) -> tuple[ParamSpec, ...]:
+        """Names, shapes and dtypes of unit ``index``'s own parameters, in ``own_params`` order.
+
+        Available on meta, so a store can lay out a unit's flat buffers and
+        chunks before any parameter exists.
+        """
+        return tuple(ParamSpec(name=n, shape=tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."))
+                     for n, p in self.named_own_params(index))
+
+    def signature(self) -> str:
+        """A hash of every unit's name, layout and reads: equal for chains a checkpoint can be loaded into."""
+        digest = hashlib.sha256()
+        for index in range(self.num_units):
+            digest.update(repr((self.names[index], self.layout(index), self.reads(index))).encode())
+        return digest.hexdigest()
 
     def reads(self, index: int) -> tuple[int, ...]:
         """Other units whose parameters unit ``index`` uses ([Note: ownership and reads])."""

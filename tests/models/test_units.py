@@ -74,3 +74,17 @@ def test_unit_seed_separates_neighbours() -> None:
     assert len(seeds) == 256
     assert all(0 <= s < 2**63 for s in seeds)
     assert unit_seed(3, 4) == unit_seed(3, 4)
+
+
+def test_layout_and_signature_are_available_on_meta() -> None:
+    from luwu_rt.models.gpt import build_gpt
+
+    chain = build_gpt("gpt-tiny")
+    layout = chain.layout(1)
+    assert [s.name for s in layout][:3] == ["ln_1.weight", "ln_1.bias", "attn.qkv.weight"]
+    assert layout[2].shape == (384, 128) and layout[2].dtype == "float32"
+    assert sum(s.numel for s in layout) == chain.num_unit_params(1)
+    assert [s.name for s in chain.layout(chain.num_units - 1)] == ["ln_f.weight", "ln_f.bias"]
+    same = build_gpt("gpt-tiny", device="cpu", seed=3)
+    assert chain.signature() == same.signature()  # values do not matter, structure does
+    assert chain.signature() != build_gpt("gpt-small").signature()
