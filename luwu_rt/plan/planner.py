@@ -352,8 +352,14 @@ def _budget_message(tier: str, model: ModelSpec, budgets: Budgets, placement: Pl
     have = budgets.of(tier)
     where = f"with params on {placement.params}, optimizer state on {placement.optimizer}, grads on {placement.grads}"
     if need > have:
-        return (f"{tier} budget {format_size(have)} is too small {where}: "
-                f"needs at least {format_size(need)} of {tier} {'memory' if tier != 'nvme' else 'space'}")
+        message = (f"{tier} budget {format_size(have)} is too small {where}: "
+                   f"needs at least {format_size(need)} of {tier} {'memory' if tier != 'nvme' else 'space'}")
+        streamed = Placement(params="nvme", optimizer="nvme", grads="nvme")
+        if tier == "host" and placement != streamed:
+            alt = lower_bounds(model, placement=streamed, strategy=strategy)
+            message += (f", or {format_size(alt['nvme'])} of NVMe with {format_size(alt['host'])} of host memory "
+                        f"when every state lives on NVMe")
+        return message
     return (f"{tier} budget {format_size(have)} is too small {where}: the largest working set "
             f"({format_size(need)}) fits, but shards kept between uses and arena fragmentation need more; "
             f"give {tier} more room or use smaller chunks")

@@ -84,9 +84,9 @@ class ModelSpec:
         if min(self.tokens_per_step, self.activation_bytes) < 0:
             raise ValueError("ModelSpec.tokens_per_step and activation_bytes must not be negative")
         for i, unit in enumerate(self.units):
-            bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i]
+            bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i or unit.reads.count(r) > 1]
             if bad:
-                raise ValueError(f"unit {unit.name} reads unit(s) {bad}, which are not other units of the model")
+                raise ValueError(f"unit {unit.name} reads unit(s) {bad}: list each other unit of the model once")
 
     @property
     def num_params(self) -> int:
@@ -207,8 +207,9 @@ class Strategy:
         _check_positive("Strategy", world_size=self.world_size)
         if self.name == "local" and self.world_size != 1:
             raise ValueError(f"strategy local runs one process; world_size={self.world_size} needs ddp, zero1/2/3, hsdp or node")
-        if self.group_size < 0 or (self.group_size and self.world_size % self.group_size):
-            raise ValueError(f"hsdp group_size={self.group_size} must divide world_size={self.world_size}")
+        if self.group_size < 0 or self.world_size % self.shard_ways:
+            raise ValueError(f"hsdp group size {self.shard_ways} must divide world_size={self.world_size}; "
+                             f"set group_size to a divisor")
 
     @property
     def shard_ways(self) -> int:

@@ -221,3 +221,15 @@ def test_prefetch_is_bounded_only_by_the_budget(spare_bytes, prefetch_all):
     waiting = [i for i, op in enumerate(plan.ops) if isinstance(op, Load) and op.dst == "device"
                and op.shard.state == "param" and ancestors[i] & computes]
     assert (not waiting) == prefetch_all
+
+
+@pytest.mark.parametrize("reads", [(1,), (5,), (0, 0)])
+def test_model_rejects_bad_unit_reads(reads):
+    with pytest.raises(ValueError, match="list each other unit"):
+        ModelSpec(units=(UnitSpec(name="a", num_params=10), UnitSpec(name="b", num_params=10, reads=reads)))
+
+
+def test_hsdp_group_must_divide_the_world():
+    with pytest.raises(ValueError, match="must divide world_size=12"):
+        Strategy(name="hsdp", world_size=12)
+    assert Strategy(name="hsdp", world_size=12, group_size=4).shard_ways == 4
