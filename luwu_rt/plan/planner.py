@@ -120,11 +120,19 @@ class _Walk:
     def _home(self, shard: ShardId) -> str:
         return self.placement.home(shard.state)
 
-    def _evictable(self, shard: ShardId, tier: str, pinned: frozenset) -> bool:
-        if (shard, tier) in pinned or tier == self._home(shard):
-            return False
+    def _is_clean(self, shard: ShardId, tier: str) -> bool:
+        """Dropping this copy loses nothing: it is stale, or another tier holds the latest version."""
         latest, copies = self.latest[shard], self.copies[shard]
         return copies[tier].version < latest or any(t != tier and c.version == latest for t, c in copies.items())
+
+    def _evictable(self, shard: ShardId, tier: str, pinned: frozenset, *, dirty: bool) -> bool:
+        if (shard, tier) in pinned or tier == self._home(shard):
+            return False
+        if self._is_clean(shard, tier):
+            return not dirty
+        # A dirty copy may be evicted by writing it back first, but only toward a slower home:
+        # write-back then allocates on slower tiers only, so evictions cannot chase each other.
+        return dirty and TIERS.index(self._home(shard)) > TIERS.index(tier)
 
     def _next_use(self, shard: ShardId, tier: str, pos: int) -> float:
         uses = self.uses.get((shard, tier), ())
@@ -132,7 +140,10 @@ class _Walk:
         return uses[i] if i < len(uses) else _NEVER
 
     def _victim(self, tier: str, pos: int, pinned: frozenset) -> ShardId | None:
-        candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned)]
+        """Clean copies first (evicting them costs no IO), dirty ones only when nothing else is left."""
+        candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=False)]
+        if not candidates:
+            candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=True)]
         if not candidates:
             return None
         if self.policy == "lru":
@@ -154,6 +165,8 @@ class _Walk:
             victim = self._victim(tier, pos, pinned)
             if victim is None:
                 raise _OutOfBudget(tier)
+            if not self._is_clean(victim, tier):
+                self.write_back(victim, tier, pos)
             self.free_copy(victim, tier)
         self._account(tier, nbytes)
         return got
@@ -221,18 +234,21 @@ class _Walk:
 
     # -- the walk ------------------------------------------------------------------------------
     def run_step(self, pos: int, step: Step) -> None:
-        pinned = frozenset((n.shard, n.tier) for n in step.needs)
+        # Copies this step reads may not be evicted to make room for its other shards; a copy it
+        # only overwrites is pinned once allocated (until then any old version may go).
+        pinned = {(n.shard, n.tier) for n in step.needs if "r" in n.mode}
         deps: set[int] = {self.step_op[a] for a in step.after}
-        inputs, outputs = [], []
-        for need in step.needs:
+        inputs, outputs, targets = [], [], []
+        # Largest shards first: placing big copies while the arena is least fragmented lets a
+        # step fit within a few percent of its lower bound.
+        for need in sorted(step.needs, key=lambda n: -self.layout[n.shard].nbytes):
             if "r" in need.mode:
-                copy = self.ensure(need.shard, need.tier, pos, pinned)
+                copy = self.ensure(need.shard, need.tier, pos, frozenset(pinned))
                 deps.update([copy.ready] if copy.ready >= 0 else [])
                 inputs.append(Access(need.shard, need.tier, copy.slot))
-        targets = []
-        for need in step.needs:
             if "w" in need.mode:
-                copy, wait = self._target(need.shard, need.tier, pos, pinned)
+                copy, wait = self._target(need.shard, need.tier, pos, frozenset(pinned))
+                pinned.add((need.shard, need.tier))
                 deps |= wait
                 targets.append((need, copy))
                 outputs.append(Access(need.shard, need.tier, copy.slot))
@@ -285,6 +301,7 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     least one staged shard when params or grads live on NVMe), plus the device reserve.
     Every plan that exists peaks at or above these; the planner may need a little more
     (fragmentation, shards kept dirty between two writes)."""
+    placement = _effective(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
     home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and placement.home(s.state) == t)
@@ -312,6 +329,13 @@ def _distinct(needs: Iterable, tier: str) -> list:
     return out
 
 
+def _effective(placement: Placement, strategy: Strategy) -> Placement:
+    """Workers of the ``node`` strategy hold no optimizer state: its placement is moot."""
+    if strategy.name == "node" and placement.optimizer != "host":
+        return Placement(params=placement.params, grads=placement.grads, optimizer="host")
+    return placement
+
+
 def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
               policy: str = "belady") -> SwapPlan:
     """Plan one training step of one rank under a resolved placement (no ``auto``; see
@@ -321,8 +345,7 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if not placement.is_resolved:
         raise ValueError(f"plan_step needs a resolved placement, got {placement}; use plan_auto for 'auto'")
-    if strategy.name == "node" and placement.optimizer != "host":
-        placement = Placement(params=placement.params, grads=placement.grads, optimizer="host")
+    placement = _effective(placement, strategy)
     reserve = model.activation_bytes + workspace_bytes(model, strategy)
     if reserve > budgets.device_bytes:
         raise ValueError(f"device budget {format_size(budgets.device_bytes)} is smaller than the "

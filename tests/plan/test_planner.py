@@ -4,7 +4,7 @@ give a clear error, and Belady eviction never loads more than LRU on equal-size 
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from luwu_rt.models.presets import get_preset
@@ -69,16 +69,32 @@ def check_plan_or_clear_error(model, budgets, placement, strategy, policy="belad
 def test_random_inputs_give_a_valid_plan_or_a_clear_error(model, strategy, params, optimizer, grads, policy, data):
     placement = Placement(params=params, optimizer=optimizer, grads=grads)
     total = total_bytes(model, strategy)
-    # Budgets from nothing to more than everything, so both outcomes are exercised.
-    budgets = Budgets(device_bytes=data.draw(st.integers(0, 2 * total + 2**20)),
-                      host_bytes=data.draw(st.integers(0, 2 * total)),
-                      nvme_bytes=data.draw(st.one_of(st.none(), st.integers(0, 2 * total))))
-    plan = check_plan_or_clear_error(model, budgets, placement, strategy, policy)
-    if plan is not None:
-        bounds = lower_bounds(model, placement=plan_placement(plan), strategy=strategy)
-        for tier, peak in plan.peak_bytes.items():
-            assert peak >= bounds[tier], (tier, peak, bounds[tier])
-            assert budgets.of(tier) is None or peak <= budgets.of(tier)
+    bounds = lower_bounds(model, placement=placement, strategy=strategy)
+
+    # Budgets close above the lower bounds, where eviction, write-back and fragmentation all
+    # matter, or anywhere from nothing to more than everything.
+    near = data.draw(st.booleans(), label="near the lower bounds")
+
+    def budget(tier: str) -> int:
+        if near:
+            return data.draw(st.floats(0.97, 2.0).map(lambda f: int(f * bounds[tier])), label=tier)
+        return data.draw(st.integers(0, 2 * total + bounds["device"]), label=tier)
+
+    budgets = Budgets(device_bytes=budget("device"), host_bytes=budget("host"),
+                      nvme_bytes=data.draw(st.one_of(st.none(), st.just(bounds["nvme"]) if near else st.integers(0, 2 * total)),
+                                           label="nvme"))
+    try:
+        plan = plan_step(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy)
+    except ValueError as exc:
+        assert CLEAR_ERROR.search(str(exc)), str(exc)
+        event(f"refused ({'near' if near else 'any'}): {str(exc).split(' ')[0]}")
+        return
+    event(f"planned ({'near' if near else 'any'})")
+    validate(plan)
+    bounds = lower_bounds(model, placement=plan_placement(plan), strategy=strategy)
+    for tier, peak in plan.peak_bytes.items():
+        assert peak >= bounds[tier], (tier, peak, bounds[tier])
+        assert budgets.of(tier) is None or peak <= budgets.of(tier)
 
 
 def plan_placement(plan) -> Placement:
