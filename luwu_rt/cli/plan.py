@@ -130,9 +130,10 @@ def _title(head: dict) -> str:
 def _text(head: dict, r: dict) -> str:
     from luwu_rt.plan import format_size
 
-    lines = [_title(head), "", "state        per rank    lives on"]
+    lines = [_title(head), "", "state        per rank    home"]
     for state, info in r["states"].items():
-        lines.append(f"{state:<12} {format_size(info['bytes']):>10}  {info['tier']}")
+        transient = "  (each unit's grads are freed after its update)" if state == "grad" else ""
+        lines.append(f"{state:<12} {format_size(info['bytes']):>10}  {info['tier']}{transient}")
     lines.append("")
     lines.append("tier      peak bytes   read/step   write/step")
     for tier, peak in r["peak_bytes"].items():
