@@ -166,7 +166,7 @@ class _Walk:
             if victim is None:
                 raise _OutOfBudget(tier)
             if not self._is_clean(victim, tier):
-                self.write_back(victim, tier, pos)
+                self.write_back(victim, tier, pos, pinned)  # still protecting what the caller pinned
             self.free_copy(victim, tier)
         self._account(tier, nbytes)
         return got
@@ -227,8 +227,8 @@ class _Walk:
             self.move(shard, a, b, pos, pinned)
         return copies[tier]
 
-    def write_back(self, shard: ShardId, tier: str, pos: int) -> None:
-        pinned = frozenset((shard, t) for t in TIERS)
+    def write_back(self, shard: ShardId, tier: str, pos: int, pinned: frozenset = frozenset()) -> None:
+        pinned = pinned | {(shard, t) for t in TIERS}
         for a, b in self._path(tier, self._home(shard)):
             self.move(shard, a, b, pos, pinned)
 

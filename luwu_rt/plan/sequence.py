@@ -123,7 +123,9 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
     gathers = strategy.name in ("zero3", "hsdp")
     steps: list[Step] = []
 
-    def compute(phase: str, k: int, grad_needs: tuple[Need, ...]) -> None:
+    tokens = model.tokens_per_step // model.num_micro_batches
+
+    def compute(phase: str, k: int, mb: int, grad_needs: tuple[Need, ...]) -> None:
         after: tuple[int, ...] = ()
         param_needs = needs(_reads(model, k), "param", "device", "r")
         if gathers:
@@ -131,24 +133,32 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
             steps.append(Step(Gather, "comm", dict(unit=k, collective="all_gather",
                                                   comm_bytes=_ring(comm, strategy.shard_ways)), param_needs))
             after, param_needs = (len(steps) - 1,), ()
-        flops = model.units[k].flops_per_token * model.tokens_per_step * (1 if phase == "F" else 3)
-        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, flops=flops),
+        flops = model.units[k].flops_per_token * tokens * (1 if phase == "F" else 3)
+        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, micro_batch=mb, flops=flops),
                           param_needs + grad_needs, after))
 
-    for k in range(num_units):
-        compute("F", k, ())
     # Backward runs k = L-1..0; a unit's grads are final after the lowest k that reads it.
     last_writer = {u: min(k for k in range(num_units) if u in _reads(model, k)) for u in range(num_units)}
-    written: set[int] = set()
-    for k in reversed(range(num_units)):
-        grad_needs: tuple[Need, ...] = ()
-        if not strategy.sharded("grad"):
-            grad_needs = tuple(n for u in _reads(model, k)
-                               for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
-        written.update(_reads(model, k))
-        compute("B", k, grad_needs)
-        for u in sorted((u for u, w in last_writer.items() if w == k), reverse=True):
-            _post_backward(model, strategy, placement, u, needs, numel, steps)
+    written: set[int] = set()  # units whose grads this step's backward already wrote (accumulate: rw)
+    reduced: set[int] = set()  # units whose sharded grads a reduce-scatter already wrote
+    for mb in range(model.num_micro_batches):
+        for k in range(num_units):
+            compute("F", k, mb, ())
+        for k in reversed(range(num_units)):
+            grad_needs: tuple[Need, ...] = ()
+            if not strategy.sharded("grad"):
+                grad_needs = tuple(n for u in _reads(model, k)
+                                   for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
+            compute("B", k, mb, grad_needs)
+            for u in sorted((u for u, w in last_writer.items() if w == k), reverse=True):
+                if strategy.sharded("grad"):
+                    # Sharded grads are reduce-scattered every micro-batch into this rank's slice.
+                    _reduce_scatter(model, strategy, u, needs((u,), "grad", "device", "rw" if u in reduced else "w"),
+                                    steps)
+                    reduced.add(u)
+                if mb == model.num_micro_batches - 1:
+                    _post_backward(model, strategy, placement, u, needs, numel, steps)
+            written.update(_reads(model, k))
     return steps
 
 
@@ -157,9 +167,23 @@ def _ring(num_bytes: int, ways: int) -> int:
     return num_bytes * (ways - 1) // ways
 
 
+def _reduce_scatter(model: ModelSpec, strategy: Strategy, u: int, grad_needs: tuple[Need, ...],
+                    steps: list[Step]) -> None:
+    """Reduce unit ``u``'s full grads (in the device workspace, after the backward op just listed)
+    into this rank's slice; hsdp then all-reduces the slice across groups."""
+    grad_full, ways, world = full_bytes(model, u, "grad"), strategy.shard_ways, strategy.world_size
+    comm = _ring(grad_full, ways)
+    if strategy.name == "hsdp" and world > ways:
+        comm += 2 * _ring(ceil_div(grad_full, ways), world // ways)
+    collective = "hierarchical" if strategy.name == "hsdp" else "reduce_scatter"
+    steps.append(Step(Reduce, "comm", dict(unit=u, collective=collective, comm_bytes=comm), grad_needs,
+                      (len(steps) - 1,)))
+
+
 def _post_backward(model: ModelSpec, strategy: Strategy, placement: Placement, u: int,
                    needs: Callable[..., tuple[Need, ...]], numel: Callable[[int, str], int], steps: list[Step]) -> None:
-    """Collectives and the optimizer step of unit ``u`` once its gradients are final."""
+    """Collectives and the optimizer step of unit ``u`` once its gradients are final (after the
+    last micro-batch)."""
     name, world = strategy.name, strategy.world_size
     grad_full = full_bytes(model, u, "grad")
     if name == "node":
@@ -168,17 +192,9 @@ def _post_backward(model: ModelSpec, strategy: Strategy, placement: Placement, u
         steps.append(Step(Pull, "comm", dict(unit=u, collective="p2p", comm_bytes=full_bytes(model, u, "param")),
                           needs((u,), "param", "device", "w"), (len(steps) - 1,)))
         return
-    if name == "ddp":
+    if name == "ddp":  # once per step, after the last micro-batch (like DDP's no_sync)
         steps.append(Step(Reduce, "comm", dict(unit=u, collective="all_reduce", comm_bytes=2 * _ring(grad_full, world)),
                           needs((u,), "grad", "device", "rw")))
-    elif name != "local":
-        ways = strategy.shard_ways
-        comm = _ring(grad_full, ways)
-        if name == "hsdp" and world > ways:
-            comm += 2 * _ring(ceil_div(grad_full, ways), world // ways)
-        steps.append(Step(Reduce, "comm", dict(unit=u, collective="hierarchical" if name == "hsdp" else "reduce_scatter",
-                                               comm_bytes=comm),
-                          needs((u,), "grad", "device", "w"), (len(steps) - 1,)))
     tier = placement.optim_tier
     optim_needs = needs((u,), "grad", tier, "r") + tuple(n for s in OPTIMIZER_KINDS for n in needs((u,), s, tier, "rw"))
     writes_param = name not in ("zero1", "zero2")

@@ -70,9 +70,12 @@ class ModelSpec:
     """Planning granularity: each unit's buffer of one state kind is planned as at most this
     many shards of whole chunks. See [Note: plan granularity] in planner.py."""
     tokens_per_step: int = 0
-    """Tokens in one step (batch size x sequence length); 0 plans IO only."""
+    """Tokens in one optimizer step, all micro-batches together; 0 plans IO only."""
+    num_micro_batches: int = 1
+    """Forward/backward passes per optimizer step (gradient accumulation); must divide tokens_per_step."""
     activation_bytes: int = 0
-    """Device memory kept for activations (saved unit inputs, recompute workspace, logits)."""
+    """Device memory kept for activations of one micro-batch (saved unit inputs, recompute
+    workspace, logits)."""
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -83,6 +86,9 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.chunk_bytes={self.chunk_bytes} is not a multiple of {ALIGN_BYTES} (O_DIRECT)")
         if min(self.tokens_per_step, self.activation_bytes) < 0:
             raise ValueError("ModelSpec.tokens_per_step and activation_bytes must not be negative")
+        if self.num_micro_batches <= 0 or self.tokens_per_step % self.num_micro_batches:
+            raise ValueError(f"ModelSpec.num_micro_batches={self.num_micro_batches} must be positive and divide "
+                             f"tokens_per_step={self.tokens_per_step}")
         for i, unit in enumerate(self.units):
             bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i or unit.reads.count(r) > 1]
             if bad:
@@ -225,14 +231,15 @@ class Strategy:
         return self.name in ("zero3", "hsdp")
 
 
-def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, chunk_bytes: int = 64 * 2**20,
-                   max_shards_per_state: int = 4) -> ModelSpec:
+def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, num_micro_batches: int = 1,
+                   chunk_bytes: int = 64 * 2**20, max_shards_per_state: int = 4) -> ModelSpec:
     """Units of a built-in GPT (``luwu_rt.models.presets.GPTShape``): embedding, blocks, head.
 
     A tied head reads the embedding's parameters, so the embedding unit is accessed at F0,
     F_head, B_head and B0. FLOPs follow Kaplan et al. (2020): 2 per parameter per token plus
     2 x seq_len x d_model per block for attention. Activations follow Korthikanti et al.
     (2022), bf16: each unit's saved input, one block's recompute workspace, fp32 logits.
+    ``batch_size`` is per micro-batch; a step runs ``num_micro_batches`` of them.
     """
     seq_len = seq_len or shape.max_seq_len
     if batch_size <= 0 or not 0 < seq_len <= shape.max_seq_len:
@@ -247,7 +254,8 @@ def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, chunk_b
     saved_inputs = len(units) * tokens * d * 2
     block_workspace = tokens * d * (34 + 5 * shape.num_heads * seq_len // d)
     logits = 2 * tokens * shape.vocab_size * 4
-    return ModelSpec(units=tuple(units), tokens_per_step=tokens, chunk_bytes=chunk_bytes,
+    return ModelSpec(units=tuple(units), tokens_per_step=tokens * num_micro_batches,
+                     num_micro_batches=num_micro_batches, chunk_bytes=chunk_bytes,
                      max_shards_per_state=max_shards_per_state,
                      activation_bytes=saved_inputs + block_workspace + logits)
 

@@ -39,7 +39,8 @@ def models(draw, *, equal_sizes: bool = False, shared: bool = False) -> ModelSpe
     return ModelSpec(units=units, param_bytes=elem, grad_bytes=elem,
                      chunk_bytes=draw(st.integers(1, 64)) * 4 * KiB,
                      max_shards_per_state=1 if equal_sizes else draw(st.integers(1, 4)),
-                     tokens_per_step=draw(st.integers(0, 64)), activation_bytes=draw(st.integers(0, 64)) * KiB)
+                     tokens_per_step=draw(st.integers(0, 64)) * 6, num_micro_batches=draw(st.sampled_from([1, 2, 3])),
+                     activation_bytes=draw(st.integers(0, 64)) * KiB)
 
 
 @st.composite
@@ -249,3 +250,23 @@ def test_hsdp_group_must_divide_the_world():
     with pytest.raises(ValueError, match="must divide world_size=12"):
         Strategy(name="hsdp", world_size=12)
     assert Strategy(name="hsdp", world_size=12, group_size=4).shard_ways == 4
+
+
+@pytest.mark.parametrize("strategy, reduces_per_unit", [(Strategy(), 0), (Strategy(name="ddp", world_size=2), 1),
+                                                        (Strategy(name="zero2", world_size=2), 3)])
+def test_gradient_accumulation(strategy, reduces_per_unit):
+    """Three micro-batches: forward and backward three times, grads accumulate, one update per unit;
+    DDP reduces once per step, ZeRO-2 reduce-scatters every micro-batch."""
+    model = gpt_model_spec(get_preset("gpt-tiny"), batch_size=2, seq_len=64, num_micro_batches=3)
+    plan = plan_step(model, budgets=Budgets(device_bytes=2**30, host_bytes=2**30), strategy=strategy,
+                     placement=Placement(params="host", optimizer="host", grads="host"))
+    validate(plan)
+    num_units = len(model.units)
+    assert plan.count("Compute") == 2 * num_units * 3 and plan.count("OptimStep") == num_units
+    assert plan.count("Reduce") == reduces_per_unit * num_units
+    assert {op.flops for op in plan.ops if isinstance(op, Compute) and op.name == "F1"} == \
+        {model.units[1].flops_per_token * 2 * 64}
+    if not strategy.sharded("grad"):
+        # Every backward after the first micro-batch adds to grads that already exist.
+        later = [op for op in plan.ops if isinstance(op, Compute) and op.name.startswith("B") and op.micro_batch > 0]
+        assert all(any(a.shard.state == "grad" for a in op.inputs) for op in later)
