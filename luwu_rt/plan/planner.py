@@ -13,8 +13,10 @@ is the copy whose next use is furthest away (optimal for equal sizes); under
 copy needs no IO: dirty data never waits for eviction because right after a
 step writes a shard away from its home, the planner writes it back toward its
 home one tier at a time - unless the next access of the shard is another write
-on the same tier (a tied embedding's gradient accumulating across backward ops),
-in which case the copy stays put, dirty and therefore not evictable.
+on the same tier (a tied embedding's gradient accumulating across backward ops,
+grads between backward and their all-reduce), in which case the copy stays put,
+dirty. Dirty copies are evicted only when no clean one is left, by writing them
+back first.
 
 Prefetch is not a separate mechanism: a load depends only on its source copy
 and on the ``Free`` of whatever occupied its slot, so an executor can issue it
@@ -260,23 +262,25 @@ class _Walk:
             copy.readers.append(idx)
             copy.last_use = pos
         for need, copy in targets:
-            self._written(need, copy, idx, pos)
-        for shard in {n.shard for n in step.needs}:
+            self.latest[need.shard] += 1
+            copy.version, copy.ready, copy.readers, copy.last_use = self.latest[need.shard], idx, [], pos
+        written = frozenset(pinned)  # one output's write-back must not evict another output
+        for need, _ in targets:
+            self._after_write(need.shard, need.tier, pos, written)
+        for shard in dict.fromkeys(n.shard for n in step.needs):  # need order: plans are deterministic
             if shard.state not in PERSISTENT_KINDS and self._next_access(shard, pos) is None:
                 for tier in list(self.copies[shard]):  # dead gradient: nothing needs it any more
                     self.free_copy(shard, tier)
 
-    def _written(self, need, copy: _Copy, idx: int, pos: int) -> None:
-        shard = need.shard
-        self.latest[shard] += 1
-        copy.version, copy.ready, copy.readers, copy.last_use = self.latest[shard], idx, [], pos
-        for tier in [t for t in self.copies[shard] if t != need.tier and t != self._home(shard)]:
-            self.free_copy(shard, tier)  # stale cache copies only waste budget
+    def _after_write(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> None:
+        """Drop the now stale cache copies and write the new version back toward its home."""
+        for stale in [t for t in self.copies[shard] if t != tier and t != self._home(shard)]:
+            self.free_copy(shard, stale)  # stale cache copies only waste budget
         nxt = self._next_access(shard, pos)
         if nxt is None and shard.state not in PERSISTENT_KINDS:
             return
-        if need.tier != self._home(shard) and not (nxt is not None and nxt[1] == need.tier and "w" in nxt[2]):
-            self.write_back(shard, need.tier, pos)
+        if tier != self._home(shard) and not (nxt is not None and nxt[1] == tier and "w" in nxt[2]):
+            self.write_back(shard, tier, pos, pinned)
 
     def _next_access(self, shard: ShardId, pos: int) -> tuple[int, str, str] | None:
         acc = self.accesses[shard]

@@ -270,3 +270,19 @@ def test_gradient_accumulation(strategy, reduces_per_unit):
         # Every backward after the first micro-batch adds to grads that already exist.
         later = [op for op in plan.ops if isinstance(op, Compute) and op.name.startswith("B") and op.micro_batch > 0]
         assert all(any(a.shard.state == "grad" for a in op.inputs) for op in later)
+
+
+def test_plans_do_not_depend_on_hash_seeds():
+    """String hashing is randomised per process; the same inputs must give the same plan."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from luwu_rt.plan import *; from luwu_rt.models.presets import get_preset\n"
+            "m = gpt_model_spec(get_preset('gpt-tiny'), chunk_bytes=65536, num_micro_batches=2)\n"
+            "p = plan_step(m, budgets=Budgets(device_bytes=5 << 20, host_bytes=4 << 20),"
+            " placement=Placement(params='nvme', optimizer='nvme', grads='host'), strategy=Strategy(name='ddp', world_size=2))\n"
+            "print(hashlib.sha256(repr(p.ops).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
+    assert len(digests) == 1
