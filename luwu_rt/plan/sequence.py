@@ -1,10 +1,11 @@
 """The access sequence of one training step, before any placement decision.
 
 ``build_layout`` cuts every unit's state buffers into shards; ``build_steps``
-lists the logical ops of one step in order (F0..F(L-1), B(L-1)..B0, and after
-the backward op that makes a unit's gradients final, its collective and its
-optimizer step) with the shard copies each one needs and on which tier. The
-planner turns this list into a ``SwapPlan`` by adding the moves and frees.
+lists the logical ops of one step in order (F0..F(L-1), B(L-1)..B0 once per
+micro-batch, and after the backward op that makes a unit's gradients final, its
+collective and its optimizer step) with the shard copies each one needs and on
+which tier. The planner turns this list into a ``SwapPlan`` by adding the moves
+and frees.
 
 [Note: strategies as access sequences]
 Per rank, a strategy changes two things: which states are sharded (the rank
@@ -150,11 +151,12 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
                 grad_needs = tuple(n for u in _reads(model, k)
                                    for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
             compute("B", k, mb, grad_needs)
+            backward = len(steps) - 1
             for u in sorted((u for u, w in last_writer.items() if w == k), reverse=True):
                 if strategy.sharded("grad"):
                     # Sharded grads are reduce-scattered every micro-batch into this rank's slice.
-                    _reduce_scatter(model, strategy, u, needs((u,), "grad", "device", "rw" if u in reduced else "w"),
-                                    steps)
+                    mode = "rw" if u in reduced else "w"
+                    _reduce_scatter(model, strategy, u, needs((u,), "grad", "device", mode), backward, steps)
                     reduced.add(u)
                 if mb == model.num_micro_batches - 1:
                     _post_backward(model, strategy, placement, u, needs, numel, steps)
@@ -167,17 +169,16 @@ def _ring(num_bytes: int, ways: int) -> int:
     return num_bytes * (ways - 1) // ways
 
 
-def _reduce_scatter(model: ModelSpec, strategy: Strategy, u: int, grad_needs: tuple[Need, ...],
+def _reduce_scatter(model: ModelSpec, strategy: Strategy, u: int, grad_needs: tuple[Need, ...], backward: int,
                     steps: list[Step]) -> None:
-    """Reduce unit ``u``'s full grads (in the device workspace, after the backward op just listed)
-    into this rank's slice; hsdp then all-reduces the slice across groups."""
+    """Reduce unit ``u``'s full grads (in the device workspace, written by step ``backward``) into
+    this rank's slice; hsdp then all-reduces the slice across groups."""
     grad_full, ways, world = full_bytes(model, u, "grad"), strategy.shard_ways, strategy.world_size
     comm = _ring(grad_full, ways)
     if strategy.name == "hsdp" and world > ways:
         comm += 2 * _ring(ceil_div(grad_full, ways), world // ways)
     collective = "hierarchical" if strategy.name == "hsdp" else "reduce_scatter"
-    steps.append(Step(Reduce, "comm", dict(unit=u, collective=collective, comm_bytes=comm), grad_needs,
-                      (len(steps) - 1,)))
+    steps.append(Step(Reduce, "comm", dict(unit=u, collective=collective, comm_bytes=comm), grad_needs, (backward,)))
 
 
 def _post_backward(model: ModelSpec, strategy: Strategy, placement: Placement, u: int,
