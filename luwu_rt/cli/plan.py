@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=0, help="hsdp: ranks per sharding group (default min(8, N))")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the preset's maximum)")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches of --batch-size sequences per optimizer step (default 1)")
     for state in ("params", "optimizer", "grads"):
         parser.add_argument(f"--offload-{state}", default="auto", choices=_TIER_CHOICES,
                             help=f"home tier of the {state} (default auto: fastest placement that fits)")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                               parse_size, plan_auto, validate)
 
     shape = get_preset(args.model)
-    model = gpt_model_spec(shape, batch_size=args.batch_size, seq_len=args.seq_len,
+    model = gpt_model_spec(shape, batch_size=args.batch_size, seq_len=args.seq_len, num_micro_batches=args.grad_accum,
                            chunk_bytes=parse_size(args.chunk_size))
     budgets = Budgets(device_bytes=parse_size(args.device_mem),
                       host_bytes=parse_size(args.host_mem) if args.host_mem else _default_host_bytes(),
@@ -130,9 +132,10 @@ def _title(head: dict) -> str:
 def _text(head: dict, r: dict) -> str:
     from luwu_rt.plan import format_size
 
-    lines = [_title(head), "", "state        per rank    lives on"]
+    lines = [_title(head), "", "state        per rank    home"]
     for state, info in r["states"].items():
-        lines.append(f"{state:<12} {format_size(info['bytes']):>10}  {info['tier']}")
+        transient = "  (each unit's grads are freed after its update)" if state == "grad" else ""
+        lines.append(f"{state:<12} {format_size(info['bytes']):>10}  {info['tier']}{transient}")
     lines.append("")
     lines.append("tier      peak bytes   read/step   write/step")
     for tier, peak in r["peak_bytes"].items():

@@ -76,7 +76,7 @@ class UnitCompute:
             self._backward(op, views)
 
     def _forward(self, op: Compute) -> None:
-        mb, k = op.microbatch, op.unit
+        mb, k = op.micro_batch, op.unit
         x = self.carry[mb]
         self.saved[mb][k] = x
         if self.config.preserve_rng:
@@ -85,7 +85,7 @@ class UnitCompute:
             self.carry[mb] = self.chain.run(k, x, self.ctx[mb])
 
     def _backward(self, op: Compute, views: Views) -> None:
-        mb, k = op.microbatch, op.unit
+        mb, k = op.micro_batch, op.unit
         last = self.chain.num_units - 1
         if k == last:  # [Note: the last unit runs once] in unitwise.py
             self.saved[mb][k] = self.carry[mb]

@@ -121,7 +121,7 @@ class Engine:
         # the device so that its modules can point at them; chunks still cut its IO.
         return ModelSpec(units=units, param_bytes=elem, grad_bytes=elem, chunk_bytes=c.offload.chunk_size,
                          max_shards_per_state=1, tokens_per_step=c.batch_size * c.seq_len * c.grad_accum,
-                         num_microbatches=c.grad_accum,
+                         num_micro_batches=c.grad_accum,
                          optimizer_waits_for_backward=c.optim.grad_clip > 0 or c.dtype == "fp16")
 
     def _plan(self) -> None:

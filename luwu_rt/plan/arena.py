@@ -1,4 +1,4 @@
-"""First-fit byte-range allocator that remembers who freed each range.
+"""Best-fit byte-range allocator that remembers who freed each range.
 
 The planner assigns every copy on the device and host tiers a slot (a byte
 offset) in that tier's arena. A new copy may only reuse bytes once the op that
@@ -19,23 +19,33 @@ class Arena:
         # free_op, so a hole is a run of touching segments. free_op is None for never-used bytes.
         self._segments: list[tuple[int, int, int | None]] = [(0, capacity_bytes, None)] if capacity_bytes else []
 
-    def alloc(self, nbytes: int) -> tuple[int, tuple[int, ...]] | None:
-        """(offset, frees to depend on) of the first hole that fits, or None."""
-        segs = self._segments
-        i = 0
+    def _holes(self) -> list[tuple[int, int, int]]:
+        """(length, first segment, last segment) of each run of touching free segments."""
+        segs, holes, i = self._segments, [], 0
         while i < len(segs):
-            run_start, j = segs[i][0], i
-            while segs[j][1] - run_start < nbytes and j + 1 < len(segs) and segs[j + 1][0] == segs[j][1]:
+            j = i
+            while j + 1 < len(segs) and segs[j + 1][0] == segs[j][1]:
                 j += 1
-            if segs[j][1] - run_start >= nbytes:
-                end = run_start + nbytes
-                deps = tuple(sorted({s[2] for s in segs[i:j + 1] if s[2] is not None}))
-                rest = [(end, segs[j][1], segs[j][2])] if segs[j][1] > end else []
-                segs[i:j + 1] = rest
-                self.used_bytes += nbytes
-                return run_start, deps
+            holes.append((segs[j][1] - segs[i][0], i, j))
             i = j + 1
-        return None
+        return holes
+
+    def alloc(self, nbytes: int) -> tuple[int, tuple[int, ...]] | None:
+        """(offset, frees to depend on) of the smallest hole that fits (best fit keeps large
+        holes for large shards), or None."""
+        fitting = [h for h in self._holes() if h[0] >= nbytes]
+        if not fitting:
+            return None
+        _, i, j = min(fitting)
+        segs = self._segments
+        start, end = segs[i][0], segs[i][0] + nbytes
+        k = i
+        while segs[k][1] < end:
+            k += 1
+        deps = tuple(sorted({s[2] for s in segs[i:k + 1] if s[2] is not None}))
+        segs[i:k + 1] = [(end, segs[k][1], segs[k][2])] if segs[k][1] > end else []
+        self.used_bytes += nbytes
+        return start, deps
 
     def free(self, offset: int, nbytes: int, *, free_op: int) -> None:
         """Return ``[offset, offset + nbytes)``, released by op ``free_op``."""

@@ -134,8 +134,8 @@ class Compute(Op):
     name: str
     unit: int
     flops: int
-    microbatch: int = 0
-    """Which micro-batch of the step (gradient accumulation); names repeat across micro-batches."""
+    micro_batch: int = 0
+    """Which micro-batch of the step (gradient accumulation); grads of later ones add up."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,8 +13,10 @@ is the copy whose next use is furthest away (optimal for equal sizes); under
 copy needs no IO: dirty data never waits for eviction because right after a
 step writes a shard away from its home, the planner writes it back toward its
 home one tier at a time - unless the next access of the shard is another write
-on the same tier (a tied embedding's gradient accumulating across backward ops),
-in which case the copy stays put, dirty and therefore not evictable.
+on the same tier (a tied embedding's gradient accumulating across backward ops,
+grads between backward and their all-reduce), in which case the copy stays put,
+dirty. Dirty copies are evicted only when no clean one is left, by writing them
+back first.
 
 Prefetch is not a separate mechanism: a load depends only on its source copy
 and on the ``Free`` of whatever occupied its slot, so an executor can issue it
@@ -120,11 +122,19 @@ class _Walk:
     def _home(self, shard: ShardId) -> str:
         return self.placement.home(shard.state)
 
-    def _evictable(self, shard: ShardId, tier: str, pinned: frozenset) -> bool:
-        if (shard, tier) in pinned or tier == self._home(shard):
-            return False
+    def _is_clean(self, shard: ShardId, tier: str) -> bool:
+        """Dropping this copy loses nothing: it is stale, or another tier holds the latest version."""
         latest, copies = self.latest[shard], self.copies[shard]
         return copies[tier].version < latest or any(t != tier and c.version == latest for t, c in copies.items())
+
+    def _evictable(self, shard: ShardId, tier: str, pinned: frozenset, *, dirty: bool) -> bool:
+        if (shard, tier) in pinned or tier == self._home(shard):
+            return False
+        if self._is_clean(shard, tier):
+            return not dirty
+        # A dirty copy may be evicted by writing it back first, but only toward a slower home:
+        # write-back then allocates on slower tiers only, so evictions cannot chase each other.
+        return dirty and TIERS.index(self._home(shard)) > TIERS.index(tier)
 
     def _next_use(self, shard: ShardId, tier: str, pos: int) -> float:
         uses = self.uses.get((shard, tier), ())
@@ -132,7 +142,10 @@ class _Walk:
         return uses[i] if i < len(uses) else _NEVER
 
     def _victim(self, tier: str, pos: int, pinned: frozenset) -> ShardId | None:
-        candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned)]
+        """Clean copies first (evicting them costs no IO), dirty ones only when nothing else is left."""
+        candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=False)]
+        if not candidates:
+            candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=True)]
         if not candidates:
             return None
         if self.policy == "lru":
@@ -154,6 +167,8 @@ class _Walk:
             victim = self._victim(tier, pos, pinned)
             if victim is None:
                 raise _OutOfBudget(tier)
+            if not self._is_clean(victim, tier):
+                self.write_back(victim, tier, pos, pinned)  # still protecting what the caller pinned
             self.free_copy(victim, tier)
         self._account(tier, nbytes)
         return got
@@ -214,25 +229,28 @@ class _Walk:
             self.move(shard, a, b, pos, pinned)
         return copies[tier]
 
-    def write_back(self, shard: ShardId, tier: str, pos: int) -> None:
-        pinned = frozenset((shard, t) for t in TIERS)
+    def write_back(self, shard: ShardId, tier: str, pos: int, pinned: frozenset = frozenset()) -> None:
+        pinned = pinned | {(shard, t) for t in TIERS}
         for a, b in self._path(tier, self._home(shard)):
             self.move(shard, a, b, pos, pinned)
 
     # -- the walk ------------------------------------------------------------------------------
     def run_step(self, pos: int, step: Step) -> None:
-        pinned = frozenset((n.shard, n.tier) for n in step.needs)
+        # Copies this step reads may not be evicted to make room for its other shards; a copy it
+        # only overwrites is pinned once allocated (until then any old version may go).
+        pinned = {(n.shard, n.tier) for n in step.needs if "r" in n.mode}
         deps: set[int] = {self.step_op[a] for a in step.after}
-        inputs, outputs = [], []
-        for need in step.needs:
+        inputs, outputs, targets = [], [], []
+        # Largest shards first: placing big copies while the arena is least fragmented lets a
+        # step fit within a few percent of its lower bound.
+        for need in sorted(step.needs, key=lambda n: -self.layout[n.shard].nbytes):
             if "r" in need.mode:
-                copy = self.ensure(need.shard, need.tier, pos, pinned)
+                copy = self.ensure(need.shard, need.tier, pos, frozenset(pinned))
                 deps.update([copy.ready] if copy.ready >= 0 else [])
                 inputs.append(Access(need.shard, need.tier, copy.slot))
-        targets = []
-        for need in step.needs:
             if "w" in need.mode:
-                copy, wait = self._target(need.shard, need.tier, pos, pinned)
+                copy, wait = self._target(need.shard, need.tier, pos, frozenset(pinned))
+                pinned.add((need.shard, need.tier))
                 deps |= wait
                 targets.append((need, copy))
                 outputs.append(Access(need.shard, need.tier, copy.slot))
@@ -244,23 +262,25 @@ class _Walk:
             copy.readers.append(idx)
             copy.last_use = pos
         for need, copy in targets:
-            self._written(need, copy, idx, pos)
-        for shard in {n.shard for n in step.needs}:
+            self.latest[need.shard] += 1
+            copy.version, copy.ready, copy.readers, copy.last_use = self.latest[need.shard], idx, [], pos
+        written = frozenset(pinned)  # one output's write-back must not evict another output
+        for need, _ in targets:
+            self._after_write(need.shard, need.tier, pos, written)
+        for shard in dict.fromkeys(n.shard for n in step.needs):  # need order: plans are deterministic
             if shard.state not in PERSISTENT_KINDS and self._next_access(shard, pos) is None:
                 for tier in list(self.copies[shard]):  # dead gradient: nothing needs it any more
                     self.free_copy(shard, tier)
 
-    def _written(self, need, copy: _Copy, idx: int, pos: int) -> None:
-        shard = need.shard
-        self.latest[shard] += 1
-        copy.version, copy.ready, copy.readers, copy.last_use = self.latest[shard], idx, [], pos
-        for tier in [t for t in self.copies[shard] if t != need.tier and t != self._home(shard)]:
-            self.free_copy(shard, tier)  # stale cache copies only waste budget
+    def _after_write(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> None:
+        """Drop the now stale cache copies and write the new version back toward its home."""
+        for stale in [t for t in self.copies[shard] if t != tier and t != self._home(shard)]:
+            self.free_copy(shard, stale)  # stale cache copies only waste budget
         nxt = self._next_access(shard, pos)
         if nxt is None and shard.state not in PERSISTENT_KINDS:
             return
-        if need.tier != self._home(shard) and not (nxt is not None and nxt[1] == need.tier and "w" in nxt[2]):
-            self.write_back(shard, need.tier, pos)
+        if tier != self._home(shard) and not (nxt is not None and nxt[1] == tier and "w" in nxt[2]):
+            self.write_back(shard, tier, pos, pinned)
 
     def _next_access(self, shard: ShardId, pos: int) -> tuple[int, str, str] | None:
         acc = self.accesses[shard]
@@ -285,6 +305,7 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     least one staged shard when params or grads live on NVMe), plus the device reserve.
     Every plan that exists peaks at or above these; the planner may need a little more
     (fragmentation, shards kept dirty between two writes)."""
+    placement = _effective(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
     home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and placement.home(s.state) == t)
@@ -312,6 +333,13 @@ def _distinct(needs: Iterable, tier: str) -> list:
     return out
 
 
+def _effective(placement: Placement, strategy: Strategy) -> Placement:
+    """Workers of the ``node`` strategy hold no optimizer state: its placement is moot."""
+    if strategy.name == "node" and placement.optimizer != "host":
+        return Placement(params=placement.params, grads=placement.grads, optimizer="host")
+    return placement
+
+
 def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
               policy: str = "belady") -> SwapPlan:
     """Plan one training step of one rank under a resolved placement (no ``auto``; see
@@ -321,8 +349,7 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if not placement.is_resolved:
         raise ValueError(f"plan_step needs a resolved placement, got {placement}; use plan_auto for 'auto'")
-    if strategy.name == "node" and placement.optimizer != "host":
-        placement = Placement(params=placement.params, grads=placement.grads, optimizer="host")
+    placement = _effective(placement, strategy)
     reserve = model.activation_bytes + workspace_bytes(model, strategy)
     if reserve > budgets.device_bytes:
         raise ValueError(f"device budget {format_size(budgets.device_bytes)} is smaller than the "
@@ -352,8 +379,14 @@ def _budget_message(tier: str, model: ModelSpec, budgets: Budgets, placement: Pl
     have = budgets.of(tier)
     where = f"with params on {placement.params}, optimizer state on {placement.optimizer}, grads on {placement.grads}"
     if need > have:
-        return (f"{tier} budget {format_size(have)} is too small {where}: "
-                f"needs at least {format_size(need)} of {tier} {'memory' if tier != 'nvme' else 'space'}")
+        message = (f"{tier} budget {format_size(have)} is too small {where}: "
+                   f"needs at least {format_size(need)} of {tier} {'memory' if tier != 'nvme' else 'space'}")
+        streamed = Placement(params="nvme", optimizer="nvme", grads="nvme")
+        if tier == "host" and placement != streamed:
+            alt = lower_bounds(model, placement=streamed, strategy=strategy)
+            message += (f", or {format_size(alt['nvme'])} of NVMe with {format_size(alt['host'])} of host memory "
+                        f"when every state lives on NVMe")
+        return message
     return (f"{tier} budget {format_size(have)} is too small {where}: the largest working set "
             f"({format_size(need)}) fits, but shards kept between uses and arena fragmentation need more; "
             f"give {tier} more room or use smaller chunks")

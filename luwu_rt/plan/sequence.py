@@ -1,11 +1,11 @@
 """The access sequence of one training step, before any placement decision.
 
 ``build_layout`` cuts every unit's state buffers into shards; ``build_steps``
-lists the logical ops of one step in order (F0..F(L-2), B(L-1)..B0 — the last
-unit's forward is fused into its backward — once per micro-batch, and after
-the backward op that makes a unit's gradients final, its collective and its
-optimizer step) with the shard copies each one needs and on which tier. The
-planner turns this list into a ``SwapPlan`` by adding the moves and frees.
+lists the logical ops of one step in order (F0..F(L-2), B(L-1)..B0 once per
+micro-batch — the last unit's forward is fused into its backward — and after the backward op that makes a unit's gradients final, its
+collective and its optimizer step) with the shard copies each one needs and on
+which tier. The planner turns this list into a ``SwapPlan`` by adding the moves
+and frees.
 
 [Note: strategies as access sequences]
 Per rank, a strategy changes two things: which states are sharded (the rank
@@ -124,7 +124,9 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
     gathers = strategy.name in ("zero3", "hsdp")
     steps: list[Step] = []
 
-    def compute(phase: str, k: int, grad_needs: tuple[Need, ...], mb: int) -> None:
+    tokens = model.tokens_per_step // model.num_micro_batches
+
+    def compute(phase: str, k: int, mb: int, grad_needs: tuple[Need, ...]) -> None:
         after: tuple[int, ...] = ()
         param_needs = needs(_reads(model, k), "param", "device", "r")
         if gathers:
@@ -132,38 +134,40 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
             steps.append(Step(Gather, "comm", dict(unit=k, collective="all_gather",
                                                   comm_bytes=_ring(comm, strategy.shard_ways)), param_needs))
             after, param_needs = (len(steps) - 1,), ()
-        flops = model.units[k].flops_per_token * model.tokens_per_step * (1 if phase == "F" else 3)
-        flops //= model.num_microbatches
-        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, flops=flops, microbatch=mb),
+        flops = model.units[k].flops_per_token * tokens * (1 if phase == "F" else 3)
+        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, micro_batch=mb, flops=flops),
                           param_needs + grad_needs, after))
 
-    if model.num_microbatches > 1 and strategy.sharded("grad"):
-        raise ValueError(f"gradient accumulation (num_microbatches={model.num_microbatches}) is not supported with "
-                         f"strategy {strategy.name}, which shards gradients; use one micro-batch or zero1/ddp")
     # Backward runs k = L-1..0; a unit's grads are final after the lowest k that reads it.
     last_writer = {u: min(k for k in range(num_units) if u in _reads(model, k)) for u in range(num_units)}
-    written: set[int] = set()
+    written: set[int] = set()  # units whose grads this step's backward already wrote (accumulate: rw)
+    reduced: set[int] = set()  # units whose sharded grads a reduce-scatter already wrote
     deferred: list[int] = []
-    for mb in range(model.num_microbatches):
+    for mb in range(model.num_micro_batches):
         # The last unit's forward is fused into its backward: its output only feeds the loss,
         # which B(L-1) computes anyway (engine/unitwise.py, [Note: the last unit runs once]).
         for k in range(num_units - 1):
-            compute("F", k, (), mb)
+            compute("F", k, mb, ())
         for k in reversed(range(num_units)):
             grad_needs: tuple[Need, ...] = ()
             if not strategy.sharded("grad"):
                 grad_needs = tuple(n for u in _reads(model, k)
                                    for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
-            written.update(_reads(model, k))
-            compute("B", k, grad_needs, mb)
-            if mb < model.num_microbatches - 1:
-                continue
-            final = sorted((u for u, w in last_writer.items() if w == k), reverse=True)
-            if model.optimizer_waits_for_backward:
-                deferred += final
-            else:
-                for u in final:
+            compute("B", k, mb, grad_needs)
+            backward = len(steps) - 1
+            for u in sorted((u for u, w in last_writer.items() if w == k), reverse=True):
+                if strategy.sharded("grad"):
+                    # Sharded grads are reduce-scattered every micro-batch into this rank's slice.
+                    mode = "rw" if u in reduced else "w"
+                    _reduce_scatter(model, strategy, u, needs((u,), "grad", "device", mode), backward, steps)
+                    reduced.add(u)
+                if mb < model.num_micro_batches - 1:
+                    continue
+                if model.optimizer_waits_for_backward:
+                    deferred.append(u)
+                else:
                     _post_backward(model, strategy, placement, u, needs, numel, steps)
+            written.update(_reads(model, k))
     end_of_backward = len(steps) - 1
     for u in deferred:
         first = len(steps)
@@ -178,9 +182,22 @@ def _ring(num_bytes: int, ways: int) -> int:
     return num_bytes * (ways - 1) // ways
 
 
+def _reduce_scatter(model: ModelSpec, strategy: Strategy, u: int, grad_needs: tuple[Need, ...], backward: int,
+                    steps: list[Step]) -> None:
+    """Reduce unit ``u``'s full grads (in the device workspace, written by step ``backward``) into
+    this rank's slice; hsdp then all-reduces the slice across groups."""
+    grad_full, ways, world = full_bytes(model, u, "grad"), strategy.shard_ways, strategy.world_size
+    comm = _ring(grad_full, ways)
+    if strategy.name == "hsdp" and world > ways:
+        comm += 2 * _ring(ceil_div(grad_full, ways), world // ways)
+    collective = "hierarchical" if strategy.name == "hsdp" else "reduce_scatter"
+    steps.append(Step(Reduce, "comm", dict(unit=u, collective=collective, comm_bytes=comm), grad_needs, (backward,)))
+
+
 def _post_backward(model: ModelSpec, strategy: Strategy, placement: Placement, u: int,
                    needs: Callable[..., tuple[Need, ...]], numel: Callable[[int, str], int], steps: list[Step]) -> None:
-    """Collectives and the optimizer step of unit ``u`` once its gradients are final."""
+    """Collectives and the optimizer step of unit ``u`` once its gradients are final (after the
+    last micro-batch)."""
     name, world = strategy.name, strategy.world_size
     grad_full = full_bytes(model, u, "grad")
     if name == "node":
@@ -189,17 +206,9 @@ def _post_backward(model: ModelSpec, strategy: Strategy, placement: Placement, u
         steps.append(Step(Pull, "comm", dict(unit=u, collective="p2p", comm_bytes=full_bytes(model, u, "param")),
                           needs((u,), "param", "device", "w"), (len(steps) - 1,)))
         return
-    if name == "ddp":
+    if name == "ddp":  # once per step, after the last micro-batch (like DDP's no_sync)
         steps.append(Step(Reduce, "comm", dict(unit=u, collective="all_reduce", comm_bytes=2 * _ring(grad_full, world)),
                           needs((u,), "grad", "device", "rw")))
-    elif name != "local":
-        ways = strategy.shard_ways
-        comm = _ring(grad_full, ways)
-        if name == "hsdp" and world > ways:
-            comm += 2 * _ring(ceil_div(grad_full, ways), world // ways)
-        steps.append(Step(Reduce, "comm", dict(unit=u, collective="hierarchical" if name == "hsdp" else "reduce_scatter",
-                                               comm_bytes=comm),
-                          needs((u,), "grad", "device", "w"), (len(steps) - 1,)))
     tier = placement.optim_tier
     optim_needs = needs((u,), "grad", tier, "r") + tuple(n for s in OPTIMIZER_KINDS for n in needs((u,), s, tier, "rw"))
     writes_param = name not in ("zero1", "zero2")

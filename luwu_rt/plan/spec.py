@@ -70,32 +70,34 @@ class ModelSpec:
     """Planning granularity: each unit's buffer of one state kind is planned as at most this
     many shards of whole chunks. See [Note: plan granularity] in planner.py."""
     tokens_per_step: int = 0
-    """Tokens in one step (batch size x sequence length); 0 plans IO only."""
-    activation_bytes: int = 0
-    """Device memory kept for activations (saved unit inputs, recompute workspace, logits)."""
-    num_microbatches: int = 1
-    """Forward/backward passes per optimizer step (gradient accumulation): gradients of later
-    micro-batches add to the earlier ones', and only the last one's are final."""
+    """Tokens in one optimizer step, all micro-batches together; 0 plans IO only."""
+    num_micro_batches: int = 1
+    """Forward/backward passes per optimizer step (gradient accumulation); must divide tokens_per_step."""
     optimizer_waits_for_backward: bool = False
     """Hold every optimizer step until the whole backward is done. Exact global-norm clipping
     and fp16 overflow checks need the norm of *all* gradients before any update; without them
     a unit's update starts as soon as its gradients are final, overlapping earlier units'
     backward."""
+    activation_bytes: int = 0
+    """Device memory kept for activations of one micro-batch (saved unit inputs, recompute
+    workspace, logits)."""
 
     def __post_init__(self) -> None:
         if not self.units:
             raise ValueError("ModelSpec.units is empty: a model needs at least one unit")
         _check_positive("ModelSpec", param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
-                        num_microbatches=self.num_microbatches,
                         chunk_bytes=self.chunk_bytes, max_shards_per_state=self.max_shards_per_state)
         if self.chunk_bytes % ALIGN_BYTES:
             raise ValueError(f"ModelSpec.chunk_bytes={self.chunk_bytes} is not a multiple of {ALIGN_BYTES} (O_DIRECT)")
         if min(self.tokens_per_step, self.activation_bytes) < 0:
             raise ValueError("ModelSpec.tokens_per_step and activation_bytes must not be negative")
+        if self.num_micro_batches <= 0 or self.tokens_per_step % self.num_micro_batches:
+            raise ValueError(f"ModelSpec.num_micro_batches={self.num_micro_batches} must be positive and divide "
+                             f"tokens_per_step={self.tokens_per_step}")
         for i, unit in enumerate(self.units):
-            bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i]
+            bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i or unit.reads.count(r) > 1]
             if bad:
-                raise ValueError(f"unit {unit.name} reads unit(s) {bad}, which are not other units of the model")
+                raise ValueError(f"unit {unit.name} reads unit(s) {bad}: list each other unit of the model once")
 
     @property
     def num_params(self) -> int:
@@ -216,8 +218,9 @@ class Strategy:
         _check_positive("Strategy", world_size=self.world_size)
         if self.name == "local" and self.world_size != 1:
             raise ValueError(f"strategy local runs one process; world_size={self.world_size} needs ddp, zero1/2/3, hsdp or node")
-        if self.group_size < 0 or (self.group_size and self.world_size % self.group_size):
-            raise ValueError(f"hsdp group_size={self.group_size} must divide world_size={self.world_size}")
+        if self.group_size < 0 or self.world_size % self.shard_ways:
+            raise ValueError(f"hsdp group size {self.shard_ways} must divide world_size={self.world_size}; "
+                             f"set group_size to a divisor")
 
     @property
     def shard_ways(self) -> int:
@@ -233,14 +236,15 @@ class Strategy:
         return self.name in ("zero3", "hsdp")
 
 
-def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, chunk_bytes: int = 64 * 2**20,
-                   max_shards_per_state: int = 4) -> ModelSpec:
+def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, num_micro_batches: int = 1,
+                   chunk_bytes: int = 64 * 2**20, max_shards_per_state: int = 4) -> ModelSpec:
     """Units of a built-in GPT (``luwu_rt.models.presets.GPTShape``): embedding, blocks, head.
 
     A tied head reads the embedding's parameters, so the embedding unit is accessed at F0,
     F_head, B_head and B0. FLOPs follow Kaplan et al. (2020): 2 per parameter per token plus
     2 x seq_len x d_model per block for attention. Activations follow Korthikanti et al.
     (2022), bf16: each unit's saved input, one block's recompute workspace, fp32 logits.
+    ``batch_size`` is per micro-batch; a step runs ``num_micro_batches`` of them.
     """
     seq_len = seq_len or shape.max_seq_len
     if batch_size <= 0 or not 0 < seq_len <= shape.max_seq_len:
@@ -255,7 +259,8 @@ def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, chunk_b
     saved_inputs = len(units) * tokens * d * 2
     block_workspace = tokens * d * (34 + 5 * shape.num_heads * seq_len // d)
     logits = 2 * tokens * shape.vocab_size * 4
-    return ModelSpec(units=tuple(units), tokens_per_step=tokens, chunk_bytes=chunk_bytes,
+    return ModelSpec(units=tuple(units), tokens_per_step=tokens * num_micro_batches,
+                     num_micro_batches=num_micro_batches, chunk_bytes=chunk_bytes,
                      max_shards_per_state=max_shards_per_state,
                      activation_bytes=saved_inputs + block_workspace + logits)
 

@@ -5,7 +5,7 @@ import dataclasses
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from luwu_rt.models.presets import get_preset
@@ -40,7 +40,8 @@ def models(draw, *, equal_sizes: bool = False, shared: bool = False) -> ModelSpe
     return ModelSpec(units=units, param_bytes=elem, grad_bytes=elem,
                      chunk_bytes=draw(st.integers(1, 64)) * 4 * KiB,
                      max_shards_per_state=1 if equal_sizes else draw(st.integers(1, 4)),
-                     tokens_per_step=draw(st.integers(0, 64)), activation_bytes=draw(st.integers(0, 64)) * KiB)
+                     tokens_per_step=draw(st.integers(0, 64)) * 6, num_micro_batches=draw(st.sampled_from([1, 2, 3])),
+                     activation_bytes=draw(st.integers(0, 64)) * KiB)
 
 
 @st.composite
@@ -70,16 +71,32 @@ def check_plan_or_clear_error(model, budgets, placement, strategy, policy="belad
 def test_random_inputs_give_a_valid_plan_or_a_clear_error(model, strategy, params, optimizer, grads, policy, data):
     placement = Placement(params=params, optimizer=optimizer, grads=grads)
     total = total_bytes(model, strategy)
-    # Budgets from nothing to more than everything, so both outcomes are exercised.
-    budgets = Budgets(device_bytes=data.draw(st.integers(0, 2 * total + 2**20)),
-                      host_bytes=data.draw(st.integers(0, 2 * total)),
-                      nvme_bytes=data.draw(st.one_of(st.none(), st.integers(0, 2 * total))))
-    plan = check_plan_or_clear_error(model, budgets, placement, strategy, policy)
-    if plan is not None:
-        bounds = lower_bounds(model, placement=plan_placement(plan), strategy=strategy)
-        for tier, peak in plan.peak_bytes.items():
-            assert peak >= bounds[tier], (tier, peak, bounds[tier])
-            assert budgets.of(tier) is None or peak <= budgets.of(tier)
+    bounds = lower_bounds(model, placement=placement, strategy=strategy)
+
+    # Budgets close above the lower bounds, where eviction, write-back and fragmentation all
+    # matter, or anywhere from nothing to more than everything.
+    near = data.draw(st.booleans(), label="near the lower bounds")
+
+    def budget(tier: str) -> int:
+        if near:
+            return data.draw(st.floats(0.97, 2.0).map(lambda f: int(f * bounds[tier])), label=tier)
+        return data.draw(st.integers(0, 2 * total + bounds["device"]), label=tier)
+
+    budgets = Budgets(device_bytes=budget("device"), host_bytes=budget("host"),
+                      nvme_bytes=data.draw(st.one_of(st.none(), st.just(bounds["nvme"]) if near else st.integers(0, 2 * total)),
+                                           label="nvme"))
+    try:
+        plan = plan_step(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy)
+    except ValueError as exc:
+        assert CLEAR_ERROR.search(str(exc)), str(exc)
+        event(f"refused ({'near' if near else 'any'}): {str(exc).split(' ')[0]}")
+        return
+    event(f"planned ({'near' if near else 'any'})")
+    validate(plan)
+    bounds = lower_bounds(model, placement=plan_placement(plan), strategy=strategy)
+    for tier, peak in plan.peak_bytes.items():
+        assert peak >= bounds[tier], (tier, peak, bounds[tier])
+        assert budgets.of(tier) is None or peak <= budgets.of(tier)
 
 
 def plan_placement(plan) -> Placement:
@@ -224,20 +241,52 @@ def test_prefetch_is_bounded_only_by_the_budget(spare_bytes, prefetch_all):
     assert (not waiting) == prefetch_all
 
 
-def test_microbatches_accumulate_and_step_once():
-    model = dataclasses.replace(gpt_model_spec(get_preset("gpt-tiny")), num_microbatches=3)
-    plan = plan_step(model, budgets=Budgets(device_bytes=2**30, host_bytes=2**30),
+@pytest.mark.parametrize("reads", [(1,), (5,), (0, 0)])
+def test_model_rejects_bad_unit_reads(reads):
+    with pytest.raises(ValueError, match="list each other unit"):
+        ModelSpec(units=(UnitSpec(name="a", num_params=10), UnitSpec(name="b", num_params=10, reads=reads)))
+
+
+def test_hsdp_group_must_divide_the_world():
+    with pytest.raises(ValueError, match="must divide world_size=12"):
+        Strategy(name="hsdp", world_size=12)
+    assert Strategy(name="hsdp", world_size=12, group_size=4).shard_ways == 4
+
+
+@pytest.mark.parametrize("strategy, reduces_per_unit", [(Strategy(), 0), (Strategy(name="ddp", world_size=2), 1),
+                                                        (Strategy(name="zero2", world_size=2), 3)])
+def test_gradient_accumulation(strategy, reduces_per_unit):
+    """Three micro-batches: forward and backward three times, grads accumulate, one update per unit;
+    DDP reduces once per step, ZeRO-2 reduce-scatters every micro-batch."""
+    model = gpt_model_spec(get_preset("gpt-tiny"), batch_size=2, seq_len=64, num_micro_batches=3)
+    plan = plan_step(model, budgets=Budgets(device_bytes=2**30, host_bytes=2**30), strategy=strategy,
                      placement=Placement(params="host", optimizer="host", grads="host"))
     validate(plan)
     num_units = len(model.units)
-    computes = [op for op in plan.ops if isinstance(op, Compute)]
-    assert len(computes) == 3 * (2 * num_units - 1)
-    assert [op.microbatch for op in computes] == sorted(op.microbatch for op in computes)
-    assert plan.count("OptimStep") == num_units
-    # After the first micro-batch every backward reads the gradients it adds to.
-    for op in computes:
-        if op.name.startswith("B") and op.microbatch > 0:
-            assert all(any(i.shard == o.shard for i in op.inputs) for o in op.outputs if o.shard.state == "grad")
+    assert plan.count("Compute") == (2 * num_units - 1) * 3 and plan.count("OptimStep") == num_units
+    assert plan.count("Reduce") == reduces_per_unit * num_units
+    assert {op.flops for op in plan.ops if isinstance(op, Compute) and op.name == "F1"} == \
+        {model.units[1].flops_per_token * 2 * 64}
+    if not strategy.sharded("grad"):
+        # Every backward after the first micro-batch adds to grads that already exist.
+        later = [op for op in plan.ops if isinstance(op, Compute) and op.name.startswith("B") and op.micro_batch > 0]
+        assert all(any(a.shard.state == "grad" for a in op.inputs) for op in later)
+
+
+def test_plans_do_not_depend_on_hash_seeds():
+    """String hashing is randomised per process; the same inputs must give the same plan."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from luwu_rt.plan import *; from luwu_rt.models.presets import get_preset\n"
+            "m = gpt_model_spec(get_preset('gpt-tiny'), chunk_bytes=65536, num_micro_batches=2)\n"
+            "p = plan_step(m, budgets=Budgets(device_bytes=5 << 20, host_bytes=4 << 20),"
+            " placement=Placement(params='nvme', optimizer='nvme', grads='host'), strategy=Strategy(name='ddp', world_size=2))\n"
+            "print(hashlib.sha256(repr(p.ops).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
+    assert len(digests) == 1
 
 
 def test_optimizer_can_wait_for_the_whole_backward():
