@@ -197,8 +197,9 @@ class SwapPlan:
     peak_bytes: Mapping[str, int]
     """Most bytes in use on each tier at any point of the plan (device: reserve included)."""
     home_slots: Mapping[ShardId, int | None]
-    """Arena slot of each persistent shard's home copy, fixed for the whole step (None on NVMe).
-    These copies exist before the first op and after the last."""
+    """Arena slot of the home copy of each shard that exists before the first op (None on NVMe):
+    every persistent shard, whose home copy stays there for the whole step and after it, and in
+    an optimizer-only plan also the gradients."""
 
     def __post_init__(self) -> None:
         for name in ("shards", "homes", "arena_bytes", "peak_bytes", "home_slots"):

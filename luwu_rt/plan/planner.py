@@ -71,8 +71,9 @@ class _Copy:
 
 class _Walk:
     def __init__(self, steps: list[Step], layout: dict[ShardId, ShardInfo], placement: Placement,
-                 budgets: Budgets, reserve_bytes: int, policy: str) -> None:
+                 budgets: Budgets, reserve_bytes: int, policy: str, initial_kinds: frozenset[str]) -> None:
         self.steps, self.layout, self.placement, self.budgets, self.policy = steps, layout, placement, budgets, policy
+        self.initial_kinds = initial_kinds
         self.ops: list[Op] = []
         self.step_op: list[int] = []
         self.copies: dict[ShardId, dict[str, _Copy]] = {s: {} for s in layout}
@@ -102,7 +103,7 @@ class _Walk:
         the bottom of their arenas and never fragment them."""
         slots: dict[ShardId, int | None] = {}
         for shard in self.layout:
-            if shard.state in PERSISTENT_KINDS:
+            if shard.state in self.initial_kinds:
                 tier = self.placement.home(shard.state)
                 slot, _ = self._alloc(shard, tier, -1, frozenset())
                 self._add_copy(shard, tier, _Copy(version=0, slot=slot, ready=-1))
@@ -308,13 +309,13 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     placement = _effective(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
-    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and placement.home(s.state) == t)
+    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in model.initial_kinds and placement.home(s.state) == t)
             for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:
         for tier in TIERS:
             nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
-                         if not (n.shard.state in PERSISTENT_KINDS and placement.home(n.shard.state) == tier))
+                         if not (n.shard.state in model.initial_kinds and placement.home(n.shard.state) == tier))
             working[tier] = max(working[tier], nbytes)
     # Params and grads travel between the device and NVMe through a host staging copy.
     staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
@@ -356,7 +357,8 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
                          f"{format_size(reserve)} that activations and collective workspaces need; "
                          f"raise it or lower the batch size / sequence length")
     layout = build_layout(model, strategy)
-    walk = _Walk(build_steps(model, strategy, placement, layout), layout, placement, budgets, reserve, policy)
+    walk = _Walk(build_steps(model, strategy, placement, layout), layout, placement, budgets, reserve, policy,
+                 model.initial_kinds)
     try:
         home_slots = walk.place_homes()
         for pos, step in enumerate(walk.steps):

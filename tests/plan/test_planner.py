@@ -40,7 +40,8 @@ def models(draw, *, equal_sizes: bool = False, shared: bool = False) -> ModelSpe
                      chunk_bytes=draw(st.integers(1, 64)) * 4 * KiB,
                      max_shards_per_state=1 if equal_sizes else draw(st.integers(1, 4)),
                      tokens_per_step=draw(st.integers(0, 64)) * 6, num_micro_batches=draw(st.sampled_from([1, 2, 3])),
-                     activation_bytes=draw(st.integers(0, 64)) * KiB)
+                     activation_bytes=draw(st.integers(0, 64)) * KiB,
+                     optimizer_only=not equal_sizes and draw(st.integers(0, 4)) == 0)
 
 
 @st.composite
@@ -68,6 +69,8 @@ def check_plan_or_clear_error(model, budgets, placement, strategy, policy="belad
 @given(model=st.one_of(models(), models(shared=True)), strategy=strategies_(), params=TIER, optimizer=TIER, grads=TIER,
        policy=st.sampled_from(["belady", "lru"]), data=st.data())
 def test_random_inputs_give_a_valid_plan_or_a_clear_error(model, strategy, params, optimizer, grads, policy, data):
+    if model.optimizer_only:
+        strategy = Strategy()  # an optimizer-only plan is single-process
     placement = Placement(params=params, optimizer=optimizer, grads=grads)
     total = total_bytes(model, strategy)
     bounds = lower_bounds(model, placement=placement, strategy=strategy)
@@ -107,6 +110,8 @@ def plan_placement(plan) -> Placement:
 @given(model=models(), strategy=strategies_(), params=TIER, optimizer=TIER, grads=TIER)
 def test_ample_budgets_always_plan(model, strategy, params, optimizer, grads):
     """The planner never refuses budgets that hold every shard twice over."""
+    if model.optimizer_only:
+        strategy = Strategy()
     total = total_bytes(model, strategy)
     placement = Placement(params=params, optimizer=optimizer, grads=grads)
     budgets = Budgets(device_bytes=lower_bounds(model, placement=placement, strategy=strategy)["device"] + 2 * total,
