@@ -47,7 +47,7 @@ from .sequence import Step, build_layout, build_steps, workspace_bytes
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
 
-__all__ = ["plan_step", "lower_bounds", "POLICIES"]
+__all__ = ["plan_step", "lower_bounds", "effective_placement", "POLICIES"]
 
 POLICIES = ("belady", "lru")
 _QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d", ("device", "host"): "d2h"}
@@ -306,7 +306,7 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     least one staged shard when params or grads live on NVMe), plus the device reserve.
     Every plan that exists peaks at or above these; the planner may need a little more
     (fragmentation, shards kept dirty between two writes)."""
-    placement = _effective(placement, strategy)
+    placement = effective_placement(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
     home = {t: sum(i.nbytes for s, i in layout.items() if s.state in model.initial_kinds and placement.home(s.state) == t)
@@ -334,7 +334,7 @@ def _distinct(needs: Iterable, tier: str) -> list:
     return out
 
 
-def _effective(placement: Placement, strategy: Strategy) -> Placement:
+def effective_placement(placement: Placement, strategy: Strategy) -> Placement:
     """Workers of the ``node`` strategy hold no optimizer state: its placement is moot."""
     if strategy.name == "node" and placement.optimizer != "host":
         return Placement(params=placement.params, grads=placement.grads, optimizer="host")
@@ -350,7 +350,7 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if not placement.is_resolved:
         raise ValueError(f"plan_step needs a resolved placement, got {placement}; use plan_auto for 'auto'")
-    placement = _effective(placement, strategy)
+    placement = effective_placement(placement, strategy)
     reserve = model.activation_bytes + workspace_bytes(model, strategy)
     if reserve > budgets.device_bytes:
         raise ValueError(f"device budget {format_size(budgets.device_bytes)} is smaller than the "
