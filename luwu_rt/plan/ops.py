@@ -29,7 +29,7 @@ from .spec import Budgets, Strategy
 
 __all__ = [
     "ShardId", "ShardInfo", "Access", "Op", "Load", "Store", "Free", "Compute", "OptimStep",
-    "Reduce", "Gather", "Push", "Pull", "SwapPlan", "QUEUES",
+    "Reduce", "Gather", "Push", "Pull", "SwapPlan", "QUEUES", "format_ops",
 ]
 
 QUEUES = {
@@ -208,3 +208,23 @@ class SwapPlan:
     def count(self, kind: str) -> int:
         """Number of ops of one kind, e.g. ``plan.count("Load")``."""
         return sum(1 for op in self.ops if op.kind == kind)
+
+
+def _access(acc: Access) -> str:
+    shard = acc.shard
+    where = acc.tier if acc.slot is None else f"{acc.tier}@{acc.slot}"
+    return f"{shard.state}[{shard.unit}.{shard.chunk}]:{where}"
+
+
+def format_ops(plan: SwapPlan, *, start: int = 0, stop: int | None = None) -> str:
+    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads -> writes, deps."""
+    lines = []
+    for i, op in enumerate(plan.ops[start:stop], start):
+        label = getattr(op, "name", None) or (f"unit {op.unit}" if hasattr(op, "unit") else "")
+        if isinstance(op, Free):
+            label = _access(Access(op.shard, op.tier, op.slot))
+        reads = " ".join(_access(a) for a in op.inputs)
+        writes = " ".join(_access(a) for a in op.outputs)
+        moves = f" {reads} -> {writes}" if reads or writes else ""
+        lines.append(f"{i:6d} {op.kind:<9} {op.queue:<10} {label}{moves}  after {list(op.deps)}")
+    return "\n".join(lines)

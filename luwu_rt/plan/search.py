@@ -100,7 +100,8 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
         return DoesNotFit(f"does not fit: needs at least {format_size(need)} of device memory "
                           f"(budget {format_size(budgets.device_bytes)})", needs={"device_bytes": need})
     in_memory = [c for c in device_ok if "nvme" not in (c.params, c.optimizer, c.grads)]
-    on_nvme = [c for c in device_ok if "nvme" in (c.params, c.optimizer, c.grads)]
+    # Gradients on NVMe alone save no memory between steps; the remedy is persistent state there.
+    on_nvme = [c for c in device_ok if "nvme" in (c.params, c.optimizer)]
     needs: dict[str, int] = {}
     parts = []
     if in_memory:
