@@ -12,7 +12,9 @@ allocates one at ``slot``; ``Free`` releases a copy. The dependencies alone
 order every conflicting pair: a read after the write it needs, a write after the
 reads of the version it overwrites, a ``Free`` after every read of the copy and
 an allocation after the ``Free`` of whatever held those arena bytes before.
-``validate.py`` checks all of it.
+``validate.py`` checks all of it. Issuing each queue's ops in plan order is
+always safe: dependencies point to earlier ops only, so it cannot deadlock.
+``Free`` ops (queue ``mem``) take no time; an executor performs them inline.
 
 Data moves only between neighbouring tiers. ``Load`` moves toward the device
 (nvme -> host, host -> device), ``Store`` away from it; which one persists dirty
