@@ -291,3 +291,15 @@ def test_plans_do_not_depend_on_hash_seeds():
     digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
     assert len(digests) == 1
+
+
+def test_plan_package_is_pure():
+    """DESIGN.md style rule 1: the planner imports neither torch, zmq, numpy nor the native module."""
+    import subprocess
+    import sys
+
+    code = ("import sys, luwu_rt.plan\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'zmq', 'numpy', 'numba')"
+            " or m == 'luwu_rt._C'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
