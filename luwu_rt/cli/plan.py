@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, metavar="JSON",
                         help="hardware profile (bandwidths, FLOP/s) as written by `luwu bench`; default: built-in")
     parser.add_argument("--policy", default="belady", choices=("belady", "lru"), help="eviction policy (default belady)")
+    parser.add_argument("--show-ops", type=int, default=0, metavar="N", help="also print the first N ops of the plan")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -96,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
     validate(result.plan)  # never report a plan that breaks an invariant
     report = {**head, "fits": True, **_describe(result)}
     print(json.dumps(report, indent=2) if args.json else _text(head, report))
+    if args.show_ops and not args.json:
+        from luwu_rt.plan import format_ops
+
+        print(f"\nfirst {min(args.show_ops, len(result.plan.ops))} ops (slot = byte offset in the tier's arena):")
+        print(format_ops(result.plan, stop=args.show_ops))
     return 0
 
 
@@ -118,13 +124,20 @@ def _describe(result) -> dict:
     }
 
 
+def _count(n: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
 def _title(head: dict) -> str:
     from luwu_rt.plan import format_size
 
     world = f" x{head['world_size']}" if head["world_size"] > 1 else ""
     budgets = head["budgets"]
     nvme = format_size(budgets["nvme"]) if budgets["nvme"] else "none"
-    return (f"{head['model']}: {head['params'] / 1e9:.3g}B params, strategy {head['strategy']}{world}, "
+    return (f"{head['model']}: {_count(head['params'])} params, strategy {head['strategy']}{world}, "
             f"{head['tokens_per_step']} tokens/step; budgets device {format_size(budgets['device'])}, "
             f"host {format_size(budgets['host'])}, nvme {nvme}")
 

@@ -90,9 +90,14 @@ class AdamWHandler:
             unit_views.setdefault(shard.state, []).append((self.shards[shard], views[shard]))
         h = self.hyper
         for piece in self._pieces(unit_views):
+            param = piece.get("param")
+            # An fp32 compute copy is not a low-precision copy-out: refresh it from the master.
+            fused_out = param if param is not None and param.dtype != torch.float32 else None
             adamw_step(
                 piece["master"], piece["grad"], piece["exp_avg"], piece["exp_avg_sq"],
                 step=self.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                 weight_decay=h.weight_decay, grad_scale=h.grad_scale,
-                param_out=piece.get("param"), backend=self.backend,
+                param_out=fused_out, backend=self.backend,
             )
+            if param is not None and fused_out is None:
+                param.copy_(piece["master"])

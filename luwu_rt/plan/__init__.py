@@ -20,7 +20,7 @@ no native code, so users can unit-test their own schedules against it.
 
 from .cost import StepCost, estimate, op_seconds
 from .ops import (QUEUES, Access, Compute, Free, Gather, Load, Op, OptimStep, Pull, Push, Reduce, ShardId,
-                  ShardInfo, Store, SwapPlan)
+                  ShardInfo, Store, SwapPlan, format_ops)
 from .planner import POLICIES, lower_bounds, plan_step
 from .search import DoesNotFit, PlanResult, plan_auto
 from .sizes import format_size, parse_size
@@ -32,6 +32,6 @@ __all__ = [
     "Access", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
     "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce",
     "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy", "SwapPlan", "TIERS",
-    "UnitSpec", "estimate", "format_size", "gpt_model_spec", "lower_bounds", "op_seconds", "parse_size",
+    "UnitSpec", "estimate", "format_ops", "format_size", "gpt_model_spec", "lower_bounds", "op_seconds", "parse_size",
     "plan_auto", "plan_step", "validate",
 ]

@@ -12,7 +12,9 @@ allocates one at ``slot``; ``Free`` releases a copy. The dependencies alone
 order every conflicting pair: a read after the write it needs, a write after the
 reads of the version it overwrites, a ``Free`` after every read of the copy and
 an allocation after the ``Free`` of whatever held those arena bytes before.
-``validate.py`` checks all of it.
+``validate.py`` checks all of it. Issuing each queue's ops in plan order is
+always safe: dependencies point to earlier ops only, so it cannot deadlock.
+``Free`` ops (queue ``mem``) take no time; an executor performs them inline.
 
 Data moves only between neighbouring tiers. ``Load`` moves toward the device
 (nvme -> host, host -> device), ``Store`` away from it; which one persists dirty
@@ -29,7 +31,7 @@ from .spec import Budgets, Strategy
 
 __all__ = [
     "ShardId", "ShardInfo", "Access", "Op", "Load", "Store", "Free", "Compute", "OptimStep",
-    "Reduce", "Gather", "Push", "Pull", "SwapPlan", "QUEUES",
+    "Reduce", "Gather", "Push", "Pull", "SwapPlan", "QUEUES", "format_ops",
 ]
 
 QUEUES = {
@@ -197,8 +199,9 @@ class SwapPlan:
     peak_bytes: Mapping[str, int]
     """Most bytes in use on each tier at any point of the plan (device: reserve included)."""
     home_slots: Mapping[ShardId, int | None]
-    """Arena slot of each persistent shard's home copy, fixed for the whole step (None on NVMe).
-    These copies exist before the first op and after the last."""
+    """Arena slot of the home copy of each shard that exists before the first op (None on NVMe):
+    every persistent shard, whose home copy stays there for the whole step and after it, and in
+    an optimizer-only plan also the gradients."""
 
     def __post_init__(self) -> None:
         for name in ("shards", "homes", "arena_bytes", "peak_bytes", "home_slots"):
@@ -207,3 +210,23 @@ class SwapPlan:
     def count(self, kind: str) -> int:
         """Number of ops of one kind, e.g. ``plan.count("Load")``."""
         return sum(1 for op in self.ops if op.kind == kind)
+
+
+def _access(acc: Access) -> str:
+    shard = acc.shard
+    where = acc.tier if acc.slot is None else f"{acc.tier}@{acc.slot}"
+    return f"{shard.state}[{shard.unit}.{shard.chunk}]:{where}"
+
+
+def format_ops(plan: SwapPlan, *, start: int = 0, stop: int | None = None) -> str:
+    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads -> writes, deps."""
+    lines = []
+    for i, op in enumerate(plan.ops[start:stop], start):
+        label = getattr(op, "name", None) or (f"unit {op.unit}" if hasattr(op, "unit") else "")
+        if isinstance(op, Free):
+            label = _access(Access(op.shard, op.tier, op.slot))
+        reads = " ".join(_access(a) for a in op.inputs)
+        writes = " ".join(_access(a) for a in op.outputs)
+        moves = f" {reads} -> {writes}" if reads or writes else ""
+        lines.append(f"{i:6d} {op.kind:<9} {op.queue:<10} {label}{moves}  after {list(op.deps)}")
+    return "\n".join(lines)

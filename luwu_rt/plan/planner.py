@@ -47,7 +47,7 @@ from .sequence import Step, build_layout, build_steps, workspace_bytes
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
 
-__all__ = ["plan_step", "lower_bounds", "POLICIES"]
+__all__ = ["plan_step", "lower_bounds", "effective_placement", "POLICIES"]
 
 POLICIES = ("belady", "lru")
 _QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d", ("device", "host"): "d2h"}
@@ -71,8 +71,9 @@ class _Copy:
 
 class _Walk:
     def __init__(self, steps: list[Step], layout: dict[ShardId, ShardInfo], placement: Placement,
-                 budgets: Budgets, reserve_bytes: int, policy: str) -> None:
+                 budgets: Budgets, reserve_bytes: int, policy: str, initial_kinds: frozenset[str]) -> None:
         self.steps, self.layout, self.placement, self.budgets, self.policy = steps, layout, placement, budgets, policy
+        self.initial_kinds = initial_kinds
         self.ops: list[Op] = []
         self.step_op: list[int] = []
         self.copies: dict[ShardId, dict[str, _Copy]] = {s: {} for s in layout}
@@ -102,7 +103,7 @@ class _Walk:
         the bottom of their arenas and never fragment them."""
         slots: dict[ShardId, int | None] = {}
         for shard in self.layout:
-            if shard.state in PERSISTENT_KINDS:
+            if shard.state in self.initial_kinds:
                 tier = self.placement.home(shard.state)
                 slot, _ = self._alloc(shard, tier, -1, frozenset())
                 self._add_copy(shard, tier, _Copy(version=0, slot=slot, ready=-1))
@@ -305,16 +306,16 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     least one staged shard when params or grads live on NVMe), plus the device reserve.
     Every plan that exists peaks at or above these; the planner may need a little more
     (fragmentation, shards kept dirty between two writes)."""
-    placement = _effective(placement, strategy)
+    placement = effective_placement(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
-    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and placement.home(s.state) == t)
+    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in model.initial_kinds and placement.home(s.state) == t)
             for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:
         for tier in TIERS:
             nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
-                         if not (n.shard.state in PERSISTENT_KINDS and placement.home(n.shard.state) == tier))
+                         if not (n.shard.state in model.initial_kinds and placement.home(n.shard.state) == tier))
             working[tier] = max(working[tier], nbytes)
     # Params and grads travel between the device and NVMe through a host staging copy.
     staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
@@ -333,7 +334,7 @@ def _distinct(needs: Iterable, tier: str) -> list:
     return out
 
 
-def _effective(placement: Placement, strategy: Strategy) -> Placement:
+def effective_placement(placement: Placement, strategy: Strategy) -> Placement:
     """Workers of the ``node`` strategy hold no optimizer state: its placement is moot."""
     if strategy.name == "node" and placement.optimizer != "host":
         return Placement(params=placement.params, grads=placement.grads, optimizer="host")
@@ -349,14 +350,15 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if not placement.is_resolved:
         raise ValueError(f"plan_step needs a resolved placement, got {placement}; use plan_auto for 'auto'")
-    placement = _effective(placement, strategy)
+    placement = effective_placement(placement, strategy)
     reserve = model.activation_bytes + workspace_bytes(model, strategy)
     if reserve > budgets.device_bytes:
         raise ValueError(f"device budget {format_size(budgets.device_bytes)} is smaller than the "
                          f"{format_size(reserve)} that activations and collective workspaces need; "
                          f"raise it or lower the batch size / sequence length")
     layout = build_layout(model, strategy)
-    walk = _Walk(build_steps(model, strategy, placement, layout), layout, placement, budgets, reserve, policy)
+    walk = _Walk(build_steps(model, strategy, placement, layout), layout, placement, budgets, reserve, policy,
+                 model.initial_kinds)
     try:
         home_slots = walk.place_homes()
         for pos, step in enumerate(walk.steps):

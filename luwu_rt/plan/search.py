@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .cost import StepCost, estimate
 from .ops import SwapPlan
-from .planner import lower_bounds, plan_step
+from .planner import effective_placement, lower_bounds, plan_step
 from .sizes import format_size
 from .spec import TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
@@ -40,9 +40,10 @@ class PlanResult:
     """The placement planned, ``auto`` fields resolved."""
 
 
-def _candidates(placement: Placement) -> list[Placement]:
+def _candidates(placement: Placement, strategy: Strategy) -> list[Placement]:
     options = [TIERS if getattr(placement, f) == "auto" else (getattr(placement, f),) for f in _FIELDS]
-    out = [Placement(**dict(zip(_FIELDS, combo))) for combo in itertools.product(*options)]
+    out = {effective_placement(Placement(**dict(zip(_FIELDS, combo))), strategy): None
+           for combo in itertools.product(*options)}
     return sorted(out, key=_rank)
 
 
@@ -68,7 +69,7 @@ def plan_auto(model: ModelSpec, *, budgets: Budgets, placement: Placement = Plac
     best: PlanResult | None = None
     planned: list[Placement] = []
     errors: list[str] = []
-    for cand in _candidates(placement):
+    for cand in _candidates(placement, strategy):
         if any(_dominates(p, cand) for p in planned):
             continue
         if not _fits(lower_bounds(model, placement=cand, strategy=strategy), budgets):
@@ -91,7 +92,7 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
                   errors: list[str]) -> DoesNotFit:
     """The two remedies: enough host memory for the fastest host-only placement, or NVMe for
     every state with the host memory that NVMe streaming needs."""
-    candidates = _candidates(placement)
+    candidates = _candidates(placement, strategy)
     bounds = {c: lower_bounds(model, placement=c, strategy=strategy) for c in candidates}
     device_ok = [c for c in candidates if bounds[c]["device"] <= budgets.device_bytes]
     if not device_ok:
@@ -99,7 +100,8 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
         return DoesNotFit(f"does not fit: needs at least {format_size(need)} of device memory "
                           f"(budget {format_size(budgets.device_bytes)})", needs={"device_bytes": need})
     in_memory = [c for c in device_ok if "nvme" not in (c.params, c.optimizer, c.grads)]
-    on_nvme = [c for c in device_ok if "nvme" in (c.params, c.optimizer, c.grads)]
+    # Gradients on NVMe alone save no memory between steps; the remedy is persistent state there.
+    on_nvme = [c for c in device_ok if "nvme" in (c.params, c.optimizer)]
     needs: dict[str, int] = {}
     parts = []
     if in_memory:

@@ -138,6 +138,12 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
         steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, micro_batch=mb, flops=flops),
                           param_needs + grad_needs, after))
 
+    if model.optimizer_only:
+        if strategy.name != "local":
+            raise ValueError(f"an optimizer-only plan runs one process (strategy local), not {strategy.name}")
+        for u in reversed(range(num_units)):
+            _post_backward(model, strategy, placement, u, needs, numel, steps)
+        return steps
     # Backward runs k = L-1..0; a unit's grads are final after the lowest k that reads it.
     last_writer = {u: min(k for k in range(num_units) if u in _reads(model, k)) for u in range(num_units)}
     written: set[int] = set()  # units whose grads this step's backward already wrote (accumulate: rw)

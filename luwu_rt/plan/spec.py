@@ -81,6 +81,9 @@ class ModelSpec:
     activation_bytes: int = 0
     """Device memory kept for activations of one micro-batch (saved unit inputs, recompute
     workspace, logits)."""
+    optimizer_only: bool = False
+    """Plan only the optimizer steps, the gradients already at their home as after a backward
+    pass: the out-of-core optimizer step on its own (``luwu bench offload-step``)."""
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -102,6 +105,11 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         return sum(u.num_params for u in self.units)
+
+    @property
+    def initial_kinds(self) -> frozenset[str]:
+        """State kinds whose shards exist at their home before a step starts."""
+        return PERSISTENT_KINDS | {"grad"} if self.optimizer_only else PERSISTENT_KINDS
 
     def element_bytes(self, state: str) -> int:
         return {"param": self.param_bytes, "grad": self.grad_bytes}.get(state, 4)

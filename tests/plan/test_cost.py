@@ -85,3 +85,23 @@ def test_profile_from_json(tmp_path):
         HardwareProfile.from_json(path)
     with pytest.raises(ValueError, match="must be positive"):
         HardwareProfile(h2d_gbps=0)
+
+
+def test_optimizer_only_plan_streams_state_once_and_overlaps_reads_with_writes():
+    """The out-of-core optimizer step on its own: every state read once from NVMe, written once."""
+    from luwu_rt.plan import ModelSpec, Strategy, UnitSpec, lower_bounds
+
+    numel = 2**20
+    model = ModelSpec(units=tuple(UnitSpec(name=f"u{i}", num_params=numel) for i in range(6)), param_bytes=4,
+                      grad_bytes=4, chunk_bytes=2**20, optimizer_only=True)
+    placement = Placement(params="nvme", optimizer="nvme", grads="nvme")
+    host = 2 * lower_bounds(model, placement=placement, strategy=Strategy())["host"]
+    plan = plan_step(model, budgets=Budgets(device_bytes=0, host_bytes=host), placement=placement)
+    validate(plan)
+    assert plan.count("OptimStep") == 6 and plan.count("Compute") == 0
+    cost = estimate(plan, PROFILE)
+    state = 6 * 4 * numel
+    assert cost.io_bytes["nvme"] == {"read": 4 * state, "write": 4 * state}  # grad+master+moments in; params+master+moments out
+    read_s, write_s = 4 * state / 0.5e9, 4 * state / 0.25e9
+    optim_s = 6 * numel / PROFILE.host_optim_params_per_s
+    assert max(read_s, write_s, optim_s) <= cost.predicted_step_s < read_s + write_s + optim_s

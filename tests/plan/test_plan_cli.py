@@ -75,3 +75,11 @@ def test_strategies_plan(capsys, strategy):
                          "--device-mem", "4GiB", "--host-mem", "8GiB", "--batch-size", "2", "--seq-len", "256")
     assert code == 0 and out["strategy"] == strategy and out["world_size"] == 4
     assert out["busy_s"].get("comm", 0) > 0
+
+
+def test_show_ops_lists_the_plan(capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--device-mem", "5MiB", "--host-mem", "16MiB",
+                 "--offload-optimizer", "host", "--show-ops", "5"]) == 0
+    out = capsys.readouterr().out
+    listing = out[out.index("first 5 ops"):].splitlines()[1:]
+    assert len(listing) == 5 and "Load" in listing[0] and "param[0.0]:host@0 -> param[0.0]:device@" in listing[0]

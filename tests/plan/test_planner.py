@@ -41,7 +41,8 @@ def models(draw, *, equal_sizes: bool = False, shared: bool = False) -> ModelSpe
                      chunk_bytes=draw(st.integers(1, 64)) * 4 * KiB,
                      max_shards_per_state=1 if equal_sizes else draw(st.integers(1, 4)),
                      tokens_per_step=draw(st.integers(0, 64)) * 6, num_micro_batches=draw(st.sampled_from([1, 2, 3])),
-                     activation_bytes=draw(st.integers(0, 64)) * KiB)
+                     activation_bytes=draw(st.integers(0, 64)) * KiB,
+                     optimizer_only=not equal_sizes and draw(st.integers(0, 4)) == 0)
 
 
 @st.composite
@@ -69,6 +70,8 @@ def check_plan_or_clear_error(model, budgets, placement, strategy, policy="belad
 @given(model=st.one_of(models(), models(shared=True)), strategy=strategies_(), params=TIER, optimizer=TIER, grads=TIER,
        policy=st.sampled_from(["belady", "lru"]), data=st.data())
 def test_random_inputs_give_a_valid_plan_or_a_clear_error(model, strategy, params, optimizer, grads, policy, data):
+    if model.optimizer_only:
+        strategy = Strategy()  # an optimizer-only plan is single-process
     placement = Placement(params=params, optimizer=optimizer, grads=grads)
     total = total_bytes(model, strategy)
     bounds = lower_bounds(model, placement=placement, strategy=strategy)
@@ -108,6 +111,8 @@ def plan_placement(plan) -> Placement:
 @given(model=models(), strategy=strategies_(), params=TIER, optimizer=TIER, grads=TIER)
 def test_ample_budgets_always_plan(model, strategy, params, optimizer, grads):
     """The planner never refuses budgets that hold every shard twice over."""
+    if model.optimizer_only:
+        strategy = Strategy()
     total = total_bytes(model, strategy)
     placement = Placement(params=params, optimizer=optimizer, grads=grads)
     budgets = Budgets(device_bytes=lower_bounds(model, placement=placement, strategy=strategy)["device"] + 2 * total,
@@ -309,3 +314,15 @@ def test_optimizer_can_wait_for_the_whole_backward():
 
     optim_steps = [i for i, op in enumerate(plan.ops) if isinstance(op, OptimStep)]
     assert optim_steps and all(depends_on(i, last_backward) for i in optim_steps)
+
+
+def test_plan_package_is_pure():
+    """DESIGN.md style rule 1: the planner imports neither torch, zmq, numpy nor the native module."""
+    import subprocess
+    import sys
+
+    code = ("import sys, luwu_rt.plan\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'zmq', 'numpy', 'numba')"
+            " or m == 'luwu_rt._C'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
