@@ -15,6 +15,7 @@ import sys
 # subcommand such as `luwu bench io`.
 COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("train",), "luwu_rt.cli.train", "train a model larger than the device and host budgets (default: gpt-tiny)"),
+    (("ckpt",), "luwu_rt.cli.ckpt", "list, verify and export checkpoints (safetensors or torch.save)"),
     (("plan",), "luwu_rt.cli.plan", "plan a training step: where each state lives, peak memory, IO and step time"),
     (("bench", "io"), "luwu_rt.cli.bench_io", "O_DIRECT write/read throughput of the IO engine on a directory"),
     (("bench", "offload-step"), "luwu_rt.cli.bench_offload", "one AdamW step with optimizer state on NVMe vs the IO bound"),

@@ -255,8 +255,12 @@ class Engine:
     # -- checkpoints --------------------------------------------------------------------------
 
     def _signature(self) -> dict[str, Any]:
-        return {"units": [{"name": self.chain.names[u], "params": [[n, list(p.shape)] for n, p in
-                                                                   self.chain.named_own_params(u)]}
+        """Unit names, each own parameter's name and shape, and the prefix under which the unit's
+        parameters appear in the whole model's ``state_dict`` (for export)."""
+        whole = getattr(self.chain, "model", None)
+        prefixes = {id(m): name for name, m in whole.named_modules()} if isinstance(whole, nn.Module) else {}
+        return {"units": [{"name": self.chain.names[u], "prefix": prefixes.get(id(self.chain.units[u]), self.chain.names[u]),
+                           "params": [[n, list(p.shape)] for n, p in self.chain.named_own_params(u)]}
                           for u in range(self.chain.num_units)]}
 
     def save(self, directory: str | os.PathLike) -> Path:

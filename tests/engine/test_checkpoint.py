@@ -83,3 +83,28 @@ def test_kill_during_write_keeps_previous_checkpoint(tmp_path) -> None:
 def test_not_a_checkpoint(tmp_path) -> None:
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         CheckpointReader(tmp_path)
+
+
+def test_export_loads_into_the_plain_model(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from luwu_rt.config import from_mapping
+    from luwu_rt.engine import Engine, TrainConfig
+    from luwu_rt.engine.export import export
+    from luwu_rt.models.gpt import build_gpt
+
+    config = from_mapping(TrainConfig, {"steps": 2, "batch_size": 2, "seq_len": 16,
+                                        "offload": {"params": "host", "optimizer": "host", "grads": "host",
+                                                    "device_mem": "64MiB", "host_mem": "64MiB"}})
+    engine = Engine(None, config)
+    engine.train_step()
+    ckpt = engine.save(tmp_path / "ck")
+    out = export(ckpt, tmp_path / "model.safetensors")
+    model = build_gpt("gpt-tiny", device="cpu").model
+    state = load_file(str(out))
+    model.load_state_dict(state)  # strict: every name and shape matches
+    x = torch.randint(0, 256, (2, 16))
+    ref = engine.evaluate([(x, x)])
+    with torch.no_grad():
+        assert float(model(x, x)) == pytest.approx(ref, rel=1e-5)
+    assert torch.load(export(ckpt, tmp_path / "model.pt")).keys() == state.keys()
