@@ -59,6 +59,7 @@ def main() -> None:
             chain.model.zero_grad(set_to_none=True)
         variants["unit-wise, keep graphs"] = keep
 
+    load_before = os.getloadavg()[0]
     # Interleave the variants' repeats so drift (thermal, neighbours) hits all alike.
     results: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():
@@ -73,7 +74,7 @@ def main() -> None:
     base_min = min(results["plain autograd"])
     tokens_per_step = args.batch_size * args.seq_len
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}, load average before/after {load_before:.2f}/{os.getloadavg()[0]:.2f}")
     print(f"model {args.model} ({chain.num_params / 1e6:.1f}M params), batch {args.batch_size} x seq {args.seq_len}, "
           f"{'bf16 autocast' if dtype else 'fp32'}, median of {args.repeats}")
     # The box may be shared: the min is the least disturbed run, so its ratio is printed too.

@@ -209,6 +209,19 @@ def test_bf16_autocast_matches_autocast_autograd() -> None:
     assert all(g.dtype == torch.float32 for g in got)  # grads of fp32 params stay fp32
 
 
+def test_bf16_parameters_without_autocast() -> None:
+    # An engine may compute with bf16 copies of the parameters instead of autocast.
+    chain = build_gpt("gpt-tiny", device="cpu", seed=0)
+    for p in chain.model.parameters():
+        torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(torch.bfloat16)))
+    inputs, targets = _batch()
+    ref_loss, ref = _reference_grads(chain, inputs, targets)
+    loss, got = _unitwise_grads(chain, inputs, targets)
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    assert loss == pytest.approx(ref_loss, rel=1e-2)
+    _assert_grads_close([g.float() for g in got], [g.float() for g in ref], rtol=5e-2, atol=1e-3)
+
+
 def test_loss_scale_scales_grads_not_loss() -> None:
     chain = build_gpt("gpt-tiny", device="cpu", seed=0)
     inputs, targets = _batch()
