@@ -22,7 +22,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,8 @@ from luwu_rt.engine.schedule import lr_at
 from luwu_rt.engine.unitwise import UnitHooks, UnitwiseConfig, unitwise_loss
 from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, Span
 from luwu_rt.exec.executor import nvme_regions
-from luwu_rt.models.units import UnitChain, chain_from_sequential
+from luwu_rt.models.adapt import as_unit_chain
+from luwu_rt.models.units import UnitChain
 from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, estimate, plan_auto, validate
 from luwu_rt.store import Arena, NvmeTier
 
@@ -48,20 +49,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
 
 
-def _as_chain(model: str | UnitChain | nn.Module | Sequence[nn.Module] | Callable[[], Any]) -> UnitChain:
-    from luwu_rt.models.gpt import build_gpt
-
-    if isinstance(model, str):
-        return build_gpt(model)  # on meta; units are materialised one at a time
-    if isinstance(model, UnitChain):
-        return model
-    if isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
-        return chain_from_sequential(model)
-    if callable(model) and not isinstance(model, nn.Module):
-        return _as_chain(model())
-    raise ValueError(f"Engine needs a preset name, a UnitChain, an nn.Sequential-like list of units or a factory "
-                     f"returning one; got {type(model).__name__} (wrap other models with an adapter, see "
-                     "luwu_rt.models.hf)")
+def _as_chain(model: Any) -> UnitChain:
+    """``as_unit_chain``, plus factories: a callable (not a module) is called to build the model."""
+    if callable(model) and not isinstance(model, (nn.Module, UnitChain, str)):
+        model = model()
+    return as_unit_chain(model)
 
 
 class _HomeHooks(UnitHooks):
