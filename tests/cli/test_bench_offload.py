@@ -1,0 +1,23 @@
+import json
+import subprocess
+import sys
+
+
+def test_offload_step_json_fields(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--params", "3M", "--unit-params", "1M",
+                        "--chunk-size", "1MiB", "--host-mem", "64MiB", "--steps", "2", "--nvme-dir", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["params"] == 3_000_000 and out["units"] == 3
+    for key in ("step_s", "io_bound_s", "predicted_s", "serial_step_s"):
+        assert out[key] > 0
+    # Master + two moments, fp32, read and written once per step.
+    assert out["nvme_read_bytes"] >= 12 * 3_000_000 and out["nvme_write_bytes"] >= 12 * 3_000_000
+    assert list(tmp_path.iterdir()) == []  # its files are removed
+
+
+def test_offload_step_needs_an_existing_dir(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--nvme-dir", str(tmp_path / "no")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--nvme-dir does not exist" in r.stderr
