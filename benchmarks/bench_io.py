@@ -4,8 +4,8 @@ One file of --size-mb (default 1 GiB) is written then read with O_DIRECT at the
 same block size and queue depth by each contestant, in interleaved rounds so
 that disk drift hits all of them alike. Per round we take the ratio ours/peer;
 the figure reported is the median of those per-round ratios. fio runs with
-each of its async engines (io_uring, libaio); "best fio" is the setting with
-the highest median throughput. Peers that are missing are reported as such.
+io_uring (plain and with fixed buffers) and libaio; "best fio" is the setting
+with the highest median throughput. Peers that are missing are reported as such.
 
     python benchmarks/bench_io.py --dir /var/tmp --rounds 5
 """
@@ -29,9 +29,15 @@ from pathlib import Path
 import torch
 
 from luwu_rt.cli.bench_io import measure
-from luwu_rt.io import PAGE_BYTES, aligned_empty
+from luwu_rt.io import aligned_empty
 
-FIO_ENGINES = ("io_uring", "libaio")
+# fio settings tried at the same block size and queue depth; "best fio" is
+# the best of them. fixedbufs/registerfiles pin fio's buffers once up front.
+FIO_SETTINGS = {
+    "io_uring": ("--ioengine=io_uring",),
+    "io_uring-fixedbufs": ("--ioengine=io_uring", "--fixedbufs", "--registerfiles"),
+    "libaio": ("--ioengine=libaio",),
+}
 Pair = tuple[float, float]  # (write GB/s, read GB/s)
 
 
@@ -75,22 +81,22 @@ def make_deepspeed(block_bytes: int, queue_depth: int, num_threads: int) -> tupl
     return run, f"deepspeed {_version('deepspeed')} aio_handle(block {block_bytes}, depth {queue_depth}, threads {num_threads})"
 
 
-def _fio(path: str, rw: str, size_bytes: int, block_bytes: int, queue_depth: int, engine: str) -> float:
+def _fio(path: str, rw: str, size_bytes: int, block_bytes: int, queue_depth: int, setting: str) -> float:
     cmd = [
         "fio", "--name=p3", f"--filename={path}", f"--rw={rw}", f"--bs={block_bytes}", f"--size={size_bytes}",
-        f"--iodepth={queue_depth}", f"--ioengine={engine}", "--direct=1", "--numjobs=1", "--output-format=json",
+        f"--iodepth={queue_depth}", *FIO_SETTINGS[setting], "--direct=1", "--numjobs=1", "--output-format=json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     job = json.loads(out.stdout)["jobs"][0]
     return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
 
 
-def make_fio(size_bytes: int, block_bytes: int, queue_depth: int, engine: str) -> Callable:
+def make_fio(size_bytes: int, block_bytes: int, queue_depth: int, setting: str) -> Callable:
     def run(directory: str, source: torch.Tensor) -> Pair:
-        path = _scratch(directory, f"fio-{engine}")
+        path = _scratch(directory, f"fio-{setting}")
         try:
-            write = _fio(path, "write", size_bytes, block_bytes, queue_depth, engine)
-            read = _fio(path, "read", size_bytes, block_bytes, queue_depth, engine)
+            write = _fio(path, "write", size_bytes, block_bytes, queue_depth, setting)
+            read = _fio(path, "read", size_bytes, block_bytes, queue_depth, setting)
         finally:
             if os.path.exists(path):
                 os.unlink(path)
@@ -127,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     source = aligned_empty(size)
     source.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     read_back = aligned_empty(size)
-    small_pages = (_small_page_buffer(size), _small_page_buffer(size))
+    small_pages = (aligned_empty(size, huge_pages=False), aligned_empty(size, huge_pages=False))
     small_pages[0].copy_(source)
     contestants: dict[str, Callable] = {}
     for backend in ("io_uring", "threads"):
         contestants[f"ours-{backend}"] = lambda d, s, b=backend: _ours(d, s, read_back, block, depth, b)
-    # The same engine on plain 4 KiB-page buffers, as fio and DeepSpeed use:
-    # separates the engine from the huge-page buffers of aligned_empty.
+    # The same engine on page-locked 4 KiB-page buffers, the kind DeepSpeed
+    # allocates: separates the engine from the huge pages of aligned_empty.
     contestants["ours-io_uring-4k"] = lambda d, s: _ours(d, small_pages[0], small_pages[1], block, depth, "io_uring")
     notes = []
     ds_run, ds_note = make_deepspeed(block, depth, args.ds_threads)
@@ -142,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         contestants["deepspeed-aio"] = ds_run
     if shutil.which("fio"):
         notes.append(_fio_version())
-        for engine in FIO_ENGINES:
-            contestants[f"fio-{engine}"] = make_fio(size, block, depth, engine)
+        for setting in FIO_SETTINGS:
+            contestants[f"fio-{setting}"] = make_fio(size, block, depth, setting)
     else:
         notes.append("fio not installed: no fio figures")
 
@@ -171,14 +177,6 @@ def _ours(directory: str, source: torch.Tensor, read_back: torch.Tensor, block: 
     return r.write_gbps, r.read_gbps
 
 
-def _small_page_buffer(nbytes: int) -> torch.Tensor:
-    """A page-aligned view into an ordinary torch allocation (4 KiB pages:
-    transparent huge pages here are opt-in and torch does not opt in)."""
-    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
-    shift = (-raw.data_ptr()) % PAGE_BYTES
-    return raw[shift : shift + nbytes]
-
-
 def _median_ratio(ours: list[Pair], peer: list[Pair], k: int) -> float:
     return statistics.median(o[k] / p[k] for o, p in zip(ours, peer))
 
@@ -197,8 +195,9 @@ def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[s
         "",
         "`ours-io_uring` is what `IOEngine(backend=\"auto\")` picks here; `ours-threads` is the fallback backend"
         " (pread/pwrite pool, 8 threads per direction); both use `aligned_empty` buffers (2 MiB-aligned, huge-page"
-        " advised). `ours-io_uring-4k` is the io_uring engine on ordinary 4 KiB-page buffers, the kind fio and"
-        " DeepSpeed use, to separate the engine from its buffers.",
+        " advised). `ours-io_uring-4k` is the io_uring engine on mlocked 4 KiB-page buffers"
+        " (`aligned_empty(..., huge_pages=False)`), the kind DeepSpeed allocates, to separate the engine from its"
+        " buffers.",
         "",
         "Why the peers differ (see csrc/io/ notes): DeepSpeed's aio op writes a new file from offset 0 without"
         " growing it first, and ext4 runs O_DIRECT writes that extend a file synchronously, so its pieces go one at"
