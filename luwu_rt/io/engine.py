@@ -176,8 +176,8 @@ class IOEngine:
         if not isinstance(ticket, IOTicket) or self._tickets.get(ticket.id) is not ticket:
             raise ValueError(f"wait: {ticket!r} is not a pending ticket of this engine (already waited for?)")
         err, msg = native.wait(ticket.id)
-        if err == -1:  # another thread waited for it meanwhile
-            raise ValueError(f"wait: {ticket!r} was already waited for")
+        if err == -1:  # another thread is waiting for it or already did
+            raise ValueError(f"wait: {ticket!r} is already being waited for by another thread")
         self._tickets.pop(ticket.id, None)
         if err != 0:
             raise OSError(err, msg, ticket.path)
