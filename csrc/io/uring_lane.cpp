@@ -25,6 +25,9 @@ namespace luwu::io {
 namespace {
 
 constexpr uint64_t kWakeTag = 0;  // user_data of the eventfd read; pieces are never null
+// Target of every lane's eventfd read. Its value is never used, and being
+// static it outlives any read the kernel might still finish during teardown.
+uint64_t wake_sink = 0;
 
 class UringLane final : public Lane {
  public:
@@ -89,8 +92,8 @@ class UringLane final : public Lane {
     io_uring_sqe* sqe = next_sqe();
     sqe->opcode = IORING_OP_READ;
     sqe->fd = wake_fd_;
-    sqe->addr = reinterpret_cast<uint64_t>(&wake_count_);
-    sqe->len = sizeof(wake_count_);
+    sqe->addr = reinterpret_cast<uint64_t>(&wake_sink);
+    sqe->len = sizeof(wake_sink);
     sqe->off = 0;
     sqe->user_data = kWakeTag;
   }
@@ -173,7 +176,6 @@ class UringLane final : public Lane {
   const uint64_t block_bytes_;
   Ring ring_;
   int wake_fd_ = -1;
-  uint64_t wake_count_ = 0;  // target of the eventfd read; its value is not used
   std::mutex mu_;
   std::deque<std::shared_ptr<Request>> pending_;
   unsigned inflight_ = 0;
