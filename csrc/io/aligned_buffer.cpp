@@ -20,10 +20,10 @@ constexpr size_t kHugePage = size_t{2} << 20;
 // is split in two and every page is pinned separately. Buffers of 2 MiB and
 // more are therefore placed on a 2 MiB boundary and advised as huge pages
 // (honoured when transparent huge pages are "always" or "madvise").
-AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock) : nbytes_(nbytes) {
+AlignedBuffer::AlignedBuffer(size_t nbytes, bool lock, bool huge_pages) : nbytes_(nbytes) {
   // Map at least one page so data() is a valid aligned address even for 0 bytes.
   mapped_ = nbytes == 0 ? 4096 : (nbytes + 4095) / 4096 * 4096;
-  const bool huge = nbytes >= kHugePage;
+  const bool huge = huge_pages && nbytes >= kHugePage;
   const size_t span = huge ? mapped_ + kHugePage : mapped_;
   void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::system_error(errno, std::generic_category(), "mmap");

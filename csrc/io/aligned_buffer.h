@@ -11,8 +11,9 @@ class AlignedBuffer {
  public:
   // Anonymous mmap (page-aligned, zero-filled). `lock` tries mlock and
   // records whether it succeeded: RLIMIT_MEMLOCK may forbid it, which is not
-  // an error, only slower under memory pressure.
-  AlignedBuffer(size_t nbytes, bool lock);
+  // an error, only slower under memory pressure. `huge_pages` places buffers
+  // of 2 MiB and more on huge pages where the kernel allows.
+  AlignedBuffer(size_t nbytes, bool lock, bool huge_pages);
   ~AlignedBuffer();
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;

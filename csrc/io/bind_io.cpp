@@ -82,7 +82,7 @@ void bind_io(py::module_& m) {
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init<size_t, bool>(), py::arg("nbytes"), py::kw_only(), py::arg("lock"))
+      .def(py::init<size_t, bool, bool>(), py::arg("nbytes"), py::kw_only(), py::arg("lock"), py::arg("huge_pages"))
       .def_property_readonly("address", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &AlignedBuffer::nbytes)
       .def_property_readonly("locked", &AlignedBuffer::locked)

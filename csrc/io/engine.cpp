@@ -197,7 +197,10 @@ uint64_t Engine::submit(Op op, const std::string& path, int fd, uintptr_t buf, u
   r->offset = offset;
   r->nbytes = nbytes;
   r->durable = durable && for_write;
+  const bool immediate = nbytes == 0 && !r->durable;
   {
+    // Enqueueing under mu_ orders it with close(): a request is either
+    // refused or queued before the lanes drain and stop.
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) {
       open_err->err = EBADF;
@@ -205,13 +208,10 @@ uint64_t Engine::submit(Op op, const std::string& path, int fd, uintptr_t buf, u
       return 0;
     }
     r->id = next_id_++;
-    tickets_[r->id] = Slot{r, false};
+    tickets_[r->id] = Slot{r, false, false};
+    if (!immediate) lanes_[static_cast<int>(op)]->enqueue(r);
   }
-  if (nbytes == 0 && !r->durable) {
-    complete(r.get());
-  } else {
-    lanes_[static_cast<int>(op)]->enqueue(r);
-  }
+  if (immediate) complete(r.get());
   return r->id;
 }
 
@@ -231,6 +231,9 @@ WaitResult Engine::wait(uint64_t ticket) {
   if (it == tickets_.end()) return WaitResult{-1, "unknown or already waited-for ticket"};
   // A pointer, not the iterator: inserts by other threads may rehash.
   Slot* slot = &it->second;
+  // Only one waiter per ticket: the first one erases the slot.
+  if (slot->waited) return WaitResult{-1, "ticket is already being waited for"};
+  slot->waited = true;
   cv_.wait(lock, [&] { return slot->done; });
   WaitResult out{slot->req->err, slot->req->msg};
   tickets_.erase(ticket);

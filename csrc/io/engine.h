@@ -120,11 +120,14 @@ class Engine {
   Backend backend_;
   FileCache files_;
   std::unique_ptr<Lane> lanes_[2];  // [Op::kRead], [Op::kWrite]
+  // Guards tickets_ and closed_. Lock order: mu_ before a lane's mutex (submit
+  // enqueues under mu_); lanes call complete() with their own mutex released.
   std::mutex mu_;
   std::condition_variable cv_;
   struct Slot {
     std::shared_ptr<Request> req;
     bool done = false;
+    bool waited = false;
   };
   std::unordered_map<uint64_t, Slot> tickets_;
   uint64_t next_id_ = 1;

@@ -60,6 +60,9 @@ class ThreadLane final : public Lane {
         if (stop_) return;
         continue;
       }
+      // enqueue() woke one worker; each taker wakes the next while pieces
+      // remain, so a large request fans out over the whole pool.
+      if (!pending_.empty()) cv_.notify_one();
       for (;;) {
         ++inflight_;
         lock.unlock();

@@ -35,7 +35,14 @@ Ring::~Ring() {
 int Ring::init(unsigned entries) {
   io_uring_params p;
   std::memset(&p, 0, sizeof(p));
+  // One thread submits and reaps, so completions can be run in that thread's
+  // io_uring_enter instead of interrupting it with task work (DEFER_TASKRUN).
+  p.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
   fd_ = sys_setup(entries, &p);
+  if (fd_ < 0 && errno == EINVAL) {  // kernels before 6.1
+    std::memset(&p, 0, sizeof(p));
+    fd_ = sys_setup(entries, &p);
+  }
   if (fd_ < 0) return -errno;
   // IORING_FEAT_RW_CUR_POS arrived in 5.6 together with IORING_OP_READ/WRITE,
   // the opcodes this engine relies on.
@@ -80,35 +87,26 @@ io_uring_sqe* Ring::get_sqe() {
   return sqe;
 }
 
-int Ring::submit() {
+int Ring::submit_and_wait() {
   const unsigned published = *sq_tail_;
   pending_ += local_tail_ - published;
   // Release: the kernel must see the entries before it sees the new tail.
   __atomic_store_n(sq_tail_, local_tail_, __ATOMIC_RELEASE);
-  while (pending_ > 0) {
-    const int r = sys_enter(fd_, pending_, 0, 0);
+  for (;;) {
+    const bool have_cqe = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE) != *cq_head_;
+    if (pending_ == 0 && have_cqe) return 0;
+    const int r = sys_enter(fd_, pending_, have_cqe ? 0 : 1, IORING_ENTER_GETEVENTS);
     if (r < 0) {
-      if (errno == EINTR) continue;
-      // EAGAIN/EBUSY: the kernel is short of resources; the entries stay in
-      // the ring and the next submit() or wait retries them.
-      if (errno == EAGAIN || errno == EBUSY) return 0;
+      // EINTR: a signal; EAGAIN/EBUSY: the kernel is short of resources or
+      // completions are backed up. Entries stay queued; reap, then retry.
+      if (errno == EINTR || errno == EAGAIN || errno == EBUSY) {
+        if (__atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE) != *cq_head_) return 0;
+        continue;
+      }
       return -errno;
     }
     pending_ -= static_cast<unsigned>(r);
-    if (r == 0) break;
-  }
-  return 0;
-}
-
-int Ring::wait_cqe() {
-  for (;;) {
-    if (__atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE) != *cq_head_) return 0;
-    // to_submit stays 0: submission belongs to the lane's lock holder, the
-    // waiter only reaps (see [Note: ring ownership]).
-    const int r = sys_enter(fd_, 0, 1, IORING_ENTER_GETEVENTS);
-    if (r >= 0) continue;
-    if (errno == EINTR || errno == EAGAIN || errno == EBUSY) continue;
-    return -errno;
+    if (pending_ == 0 || __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE) != *cq_head_) return 0;
   }
 }
 

@@ -18,17 +18,17 @@ class Ring {
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
 
-  // Sets the ring up with at least `entries` submission slots. Returns 0 or
-  // -errno (-ENOSYS / -EPERM where the kernel or a seccomp filter forbids
-  // io_uring, -EOPNOTSUPP on kernels older than 5.6 that lack IORING_OP_READ).
+  // Sets the ring up with at least `entries` submission slots, for use by a
+  // single thread (SINGLE_ISSUER + DEFER_TASKRUN where the kernel has them,
+  // 6.1+). Returns 0 or -errno (-ENOSYS / -EPERM where the kernel or a seccomp
+  // filter forbids io_uring, -EOPNOTSUPP before 5.6, which lacks IORING_OP_READ).
   int init(unsigned entries);
 
   // Next free submission entry, zeroed; nullptr when the ring is full.
   io_uring_sqe* get_sqe();
-  // Hands every prepared entry to the kernel. Returns the number taken or -errno.
-  int submit();
-  // Blocks until at least one completion is available (retrying on EINTR).
-  int wait_cqe();
+  // Hands every prepared entry to the kernel and, unless a completion is
+  // already queued, blocks until one arrives. Returns 0 or -errno.
+  int submit_and_wait();
   // Pops one completion into (user_data, res); false when the queue is empty.
   bool pop_cqe(uint64_t* user_data, int32_t* res);
 

@@ -1,15 +1,20 @@
 // io_uring lane: one ring per direction, pieces kept in flight up to the
-// queue depth, completions reaped by one thread.
+// queue depth.
 //
 // [Note: ring ownership]
-// The submission queue is touched only under the lane mutex: callers prepare
-// and submit in enqueue(), and the reaper refills after each batch of
-// completions. The completion queue belongs to the reaper alone, which waits
-// in io_uring_enter(GETEVENTS) without the lock, so a caller's submit never
-// waits for a completion. The ring has queue_depth + 1 entries: the spare one
-// carries the NOP that wakes the reaper at shutdown.
+// One reaper thread per lane owns its ring: it alone prepares entries,
+// submits and reaps, which lets the kernel run completions inside its
+// io_uring_enter (SINGLE_ISSUER + DEFER_TASKRUN) rather than interrupting
+// whichever thread submitted. Callers only append to `pending_` under the
+// lane mutex and bump an eventfd; the ring always holds a read of that
+// eventfd, so a bump completes it and wakes the reaper wherever it waits.
+// The ring has queue_depth + 1 entries: the spare one is that wake-up read.
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdlib>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -19,25 +24,43 @@
 namespace luwu::io {
 namespace {
 
-constexpr uint64_t kWakeTag = 0;  // user_data of the shutdown NOP; pieces are never null
+constexpr uint64_t kWakeTag = 0;  // user_data of the eventfd read; pieces are never null
+// Target of every lane's eventfd read. Its value is never used, and being
+// static it outlives any read the kernel might still finish during teardown.
+uint64_t wake_sink = 0;
 
 class UringLane final : public Lane {
  public:
   UringLane(Engine* engine, unsigned queue_depth, uint64_t block_bytes)
       : engine_(engine), queue_depth_(queue_depth), block_bytes_(block_bytes) {}
-  ~UringLane() override { shutdown(); }
+  ~UringLane() override {
+    shutdown();
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+  }
 
   int start() {
-    const int err = ring_.init(queue_depth_ + 1);
-    if (err != 0) return -err;
-    reaper_ = std::thread([this] { reap(); });
-    return 0;
+    wake_fd_ = eventfd(0, EFD_CLOEXEC);
+    if (wake_fd_ < 0) return errno;
+    // SINGLE_ISSUER binds the ring to the thread that creates it, so the
+    // reaper sets it up itself and reports back.
+    std::promise<int> setup;
+    std::future<int> result = setup.get_future();
+    reaper_ = std::thread([this, &setup] {
+      const int err = ring_.init(queue_depth_ + 1);
+      setup.set_value(-err);
+      if (err == 0) reap();
+    });
+    const int err = result.get();
+    if (err != 0) reaper_.join();
+    return err;
   }
 
   void enqueue(std::shared_ptr<Request> r) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_.push_back(std::move(r));
-    fill_locked();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.push_back(std::move(r));
+    }
+    wake();
   }
 
   void shutdown() override {
@@ -45,19 +68,38 @@ class UringLane final : public Lane {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_ || !reaper_.joinable()) return;
       stopping_ = true;
-      io_uring_sqe* sqe = ring_.get_sqe();
-      sqe->opcode = IORING_OP_NOP;
-      sqe->user_data = kWakeTag;
-      ring_.submit();
     }
+    wake();
     reaper_.join();
   }
 
  private:
-  void prep(Piece* p) {
+  void wake() {
+    const uint64_t one = 1;
+    // An eventfd write only fails on counter overflow, impossible at one per request.
+    while (::write(wake_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+  }
+
+  io_uring_sqe* next_sqe() {
     io_uring_sqe* sqe = ring_.get_sqe();
-    // Invariant: at most queue_depth pieces in flight and the ring is larger.
+    // Invariant: at most queue_depth pieces + the wake read, and the ring is that large.
     if (sqe == nullptr) std::abort();
+    return sqe;
+  }
+
+  void arm_wake() {
+    io_uring_sqe* sqe = next_sqe();
+    sqe->opcode = IORING_OP_READ;
+    sqe->fd = wake_fd_;
+    sqe->addr = reinterpret_cast<uint64_t>(&wake_sink);
+    sqe->len = sizeof(wake_sink);
+    sqe->off = 0;
+    sqe->user_data = kWakeTag;
+  }
+
+  void prep(Piece* p) {
+    io_uring_sqe* sqe = next_sqe();
     const Request& r = *p->req;
     sqe->user_data = reinterpret_cast<uint64_t>(p);
     if (p->sync) {
@@ -73,26 +115,12 @@ class UringLane final : public Lane {
     sqe->off = r.offset + p->pos;
   }
 
-  // Under mu_: tops the ring up to the queue depth and submits.
-  void fill_locked() {
-    Piece p;
-    while (inflight_ < queue_depth_ && take_piece(&pending_, block_bytes_, &p)) {
-      prep(new Piece(p));
-      ++inflight_;
-    }
-    submit_locked();
-  }
-
-  void submit_locked() {
-    const int err = ring_.submit();
-    // Entries are validated before they reach the ring, so a failing
-    // io_uring_enter means the ring itself broke; nothing can complete.
-    if (err < 0) std::abort();
-  }
-
   // Under mu_: one completion. Returns a request to complete, or nullptr.
   Request* on_cqe(uint64_t user_data, int32_t res) {
-    if (user_data == kWakeTag) return nullptr;
+    if (user_data == kWakeTag) {
+      arm_wake();
+      return nullptr;
+    }
     Piece* p = reinterpret_cast<Piece*>(user_data);
     if (account(p, res) == Step::kRetry) {
       prep(p);
@@ -117,8 +145,8 @@ class UringLane final : public Lane {
 
   void reap() {
     std::vector<Request*> finished;
+    arm_wake();
     for (;;) {
-      if (ring_.wait_cqe() < 0) std::abort();  // only EFAULT/EBADF-type bugs land here
       bool exit = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -127,12 +155,19 @@ class UringLane final : public Lane {
         while (ring_.pop_cqe(&user_data, &res)) {
           if (Request* r = on_cqe(user_data, res)) finished.push_back(r);
         }
-        fill_locked();
+        Piece p;
+        while (inflight_ < queue_depth_ && take_piece(&pending_, block_bytes_, &p)) {
+          prep(new Piece(p));
+          ++inflight_;
+        }
         exit = stopping_ && inflight_ == 0 && pending_.empty();
       }
       for (Request* r : finished) engine_->complete(r);
       finished.clear();
-      if (exit) return;
+      if (exit) return;  // the pending wake read dies with the ring
+      // Entries are validated before they reach the ring, so a failing
+      // io_uring_enter means the ring itself broke (a bug, not an IO error).
+      if (ring_.submit_and_wait() < 0) std::abort();
     }
   }
 
@@ -140,6 +175,7 @@ class UringLane final : public Lane {
   const unsigned queue_depth_;
   const uint64_t block_bytes_;
   Ring ring_;
+  int wake_fd_ = -1;
   std::mutex mu_;
   std::deque<std::shared_ptr<Request>> pending_;
   unsigned inflight_ = 0;

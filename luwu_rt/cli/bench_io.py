@@ -44,10 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure(
-    directory: str, *, size_bytes: int, block_bytes: int, queue_depth: int, backend: str = "auto", buffer=None
+    directory: str,
+    *,
+    size_bytes: int,
+    block_bytes: int,
+    queue_depth: int,
+    backend: str = "auto",
+    buffer=None,
+    read_buffer=None,
 ) -> IOBenchResult:
     """Writes then reads one ``size_bytes`` file in ``directory`` and removes it.
-    ``buffer`` (an aligned uint8 tensor of ``size_bytes``) may be reused across calls."""
+    ``buffer`` (the data written) and ``read_buffer`` (where it is read back),
+    uint8 tensors of ``size_bytes``, default to fresh :func:`aligned_empty` ones."""
     import torch
 
     from luwu_rt.io import IOEngine, aligned_empty
@@ -65,7 +73,7 @@ def measure(
             start = time.perf_counter()
             engine.write(path, offset=0, buffer=buffer)
             write_s = time.perf_counter() - start
-            check = aligned_empty(size_bytes)
+            check = aligned_empty(size_bytes) if read_buffer is None else read_buffer
             start = time.perf_counter()
             engine.read(path, offset=0, buffer=check)
             read_s = time.perf_counter() - start

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ _log = logging.getLogger(__name__)
 PathOrFd = str | os.PathLike | int
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(kw_only=True, slots=True, eq=False)
 class IOTicket:
     """Handle of one submitted request; pass it to :meth:`IOEngine.wait`."""
 
@@ -177,7 +176,9 @@ class IOEngine:
         if not isinstance(ticket, IOTicket) or self._tickets.get(ticket.id) is not ticket:
             raise ValueError(f"wait: {ticket!r} is not a pending ticket of this engine (already waited for?)")
         err, msg = native.wait(ticket.id)
-        del self._tickets[ticket.id]
+        if err == -1:  # another thread is waiting for it or already did
+            raise ValueError(f"wait: {ticket!r} is already being waited for by another thread")
+        self._tickets.pop(ticket.id, None)
         if err != 0:
             raise OSError(err, msg, ticket.path)
 

@@ -26,6 +26,18 @@ def test_shape_dtype_alignment(spec, dtype, shape):
     assert bool((t == 1).all())
 
 
+@pytest.mark.parametrize("huge_pages", (True, False))
+def test_large_buffers(huge_pages):
+    nbytes = (4 << 20) + PAGE_BYTES
+    t = aligned_empty(nbytes, huge_pages=huge_pages)
+    assert t.numel() == nbytes and t.data_ptr() % PAGE_BYTES == 0
+    if huge_pages:
+        assert t.data_ptr() % (2 << 20) == 0  # huge-page boundary
+    assert int(t.sum()) == 0  # zero-filled, every page mapped
+    t[-1] = 5
+    assert int(t.sum()) == 5
+
+
 def test_empty_sizes():
     assert aligned_empty(0).numel() == 0
     assert aligned_empty((4, 0), dtype=torch.float32).shape == (4, 0)
@@ -45,7 +57,7 @@ def test_bad_requests():
 def test_native_buffer_is_released_with_its_last_view():
     """The memory lives exactly as long as some tensor views it."""
     released = []
-    owner = _C.AlignedBuffer(PAGE_BYTES * 3, lock=True)
+    owner = _C.AlignedBuffer(PAGE_BYTES * 3, lock=True, huge_pages=False)
     owner.set_release_hook(lambda: released.append(True))
     t = torch.frombuffer(owner, dtype=torch.uint8)
     assert t.data_ptr() == owner.address and owner.nbytes == PAGE_BYTES * 3

@@ -141,3 +141,23 @@ def test_tickets_are_per_request(tmp_path, random_bytes):
             engine.wait(b)
         engine.wait(a)
         assert (tmp_path / "a").stat().st_size == 64 << 10
+
+
+def test_many_threads_share_one_engine(engine, tmp_path, random_bytes):
+    """Submitters and waiters on several threads at once (the GIL is released while waiting)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = random_bytes(300_001, seed=11)
+
+    def worker(k: int) -> bool:
+        path = tmp_path / f"t{k}.bin"
+        ok = True
+        for i in range(20):
+            engine.write(path, offset=i * 1000 + k, buffer=data)
+            back = aligned_empty(data.numel())
+            engine.read(path, offset=i * 1000 + k, buffer=back)
+            ok &= torch.equal(back, data)
+        return ok
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert all(pool.map(worker, range(4)))
