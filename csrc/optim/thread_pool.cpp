@@ -45,9 +45,10 @@ void ThreadPool::ensure_workers(int num_workers) {
     // The worker starts from the current generation, so the run about to be
     // published (under the same lock) is one it will pick up.
     std::thread worker([this, index, seen = generation_] { worker_main(index, seen); });
-    // Pin worker i to the i-th allowed CPU (the caller, slice 0, is left where
-    // the OS put it): a static partition then keeps each slice's cache lines
-    // and TLB entries on one core for the whole sweep.
+    // Pin worker i to the i-th allowed CPU (the caller is left where the OS
+    // put it), so workers never pile onto one core and a block's sweep stays
+    // on the core that started it; the dynamic blocks (dispatch.cpp) absorb a
+    // core that is busy with something else.
     const int cpu = nth_allowed_cpu(index);
     if (cpu >= 0) {
       cpu_set_t set;

@@ -4,7 +4,7 @@
 // ops on it; linking the system libgomp into _C as well would give the process
 // two OpenMP runtimes, each sizing its team to all cores, which oversubscribes
 // the CPU when a torch op and an optimizer step overlap (and the two runtimes'
-// spin-waits fight each other). The kernels only need a static split of one
+// spin-waits fight each other). The kernels only need to split one
 // flat range, so a few persistent threads (created once, pinned, woken by a
 // condition variable) give the same parallelism with no second runtime and no
 // per-call thread creation or allocation.
