@@ -45,7 +45,8 @@ template <class Args>
 void run_split(const Args& a, int64_t numel, int num_threads, void (*fn)(const Args&, int64_t, int64_t)) {
   if (numel <= 0) return;
   const int64_t useful = std::max<int64_t>(1, numel / kMinPerThread);
-  const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, useful)));
+  const int64_t wanted = std::min<int64_t>({num_threads, useful, ThreadPool::kMaxThreads});
+  const int count = static_cast<int>(std::max<int64_t>(1, wanted));
   if (count == 1) {
     fn(a, 0, numel);
     return;
