@@ -6,6 +6,7 @@ import os
 import random
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ KINDS = ["adamw", "adam", "sgd"]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("numel", SIZES)
 def test_matches_torch_fp32(backend: str, kind: str, numel: int) -> None:
-    rng = random.Random(hash((backend, kind, numel)) & 0xFFFF)
+    # str hashes are salted per process; crc32 keeps the cases the same on every run.
+    rng = random.Random(zlib.crc32(f"{backend}/{kind}/{numel}".encode()))
     for decay, scaled, zero_init in ((False, False, True), (True, True, False), (True, True, True)):
         hp = random_hparams(rng, kind, decay=decay, scaled=scaled)
         run_case(kind, backend, numel=numel, num_steps=rng.choice([1, 17, 50]), grad_dtype=torch.float32,
