@@ -66,8 +66,8 @@ def test_cpp_every_isa_of_this_cpu(monkeypatch: pytest.MonkeyPatch, isa: str, ki
 
 
 def test_cpp_threads_split_bit_identically() -> None:
-    # Large enough that two threads each take a slice.
-    n = 300_007
+    # Large enough (> 3 Mi elements) that three threads each take blocks.
+    n = 3 * (1 << 20) + 7
     grad = torch.randn(n, dtype=torch.bfloat16)
     results = []
     for num_threads in (1, 2, 3):
@@ -174,7 +174,7 @@ def test_cpp_pool_with_changing_thread_counts_and_concurrent_callers(spin_micros
     # released in the kernels); every result must match the reference backend.
     from concurrent.futures import ThreadPoolExecutor
 
-    n = 200_003
+    n = 2 * (1 << 20) + 3  # enough for two threads (dispatch.cpp: kMinPerThread)
 
     def job(seed: int) -> bool:
         gen = torch.Generator().manual_seed(seed)
@@ -193,7 +193,7 @@ def test_cpp_pool_with_changing_thread_counts_and_concurrent_callers(spin_micros
     _cpp._C.optim_set_spin_micros(spin_micros)  # 0: every wait goes to sleep on the condition variables
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
-            assert all(pool.map(job, range(16)))
+            assert all(pool.map(job, range(8)))
     finally:
         _cpp._C.optim_set_spin_micros(50)
     with pytest.raises(ValueError, match="micros must be >= 0"):
