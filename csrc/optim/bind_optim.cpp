@@ -9,6 +9,7 @@
 #include <string>
 
 #include "optim/kernels.h"
+#include "optim/thread_pool.h"
 
 namespace py = pybind11;
 
@@ -130,6 +131,13 @@ void bind_optim(py::module_& m) {
 
   m.def("optim_best_isa", &optim::best_isa, "the fastest ISA this CPU supports");
   m.def("optim_isa_supported", &optim::isa_supported, py::arg("isa"));
+  m.def(
+      "optim_set_spin_micros",
+      [](int64_t micros) {
+        if (micros < 0) throw std::invalid_argument("micros must be >= 0, got " + std::to_string(micros));
+        optim::ThreadPool::instance().set_spin_micros(micros);
+      },
+      py::arg("micros"), "how long the kernels' threads poll for work before sleeping (tuning)");
   using namespace pybind11::literals;
   m.def("optim_adam_step", &adam_step, py::call_guard<py::gil_scoped_release>(), py::kw_only(), "param"_a,
         "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "param_out"_a, "numel"_a, "grad_type"_a, "out_type"_a, "decay"_a,

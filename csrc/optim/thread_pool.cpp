@@ -4,6 +4,10 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <cassert>
+#include <chrono>
+#include <thread>
+
 namespace luwu::optim {
 namespace {
 
@@ -43,11 +47,12 @@ void ThreadPool::ensure_workers(int num_workers) {
   while (num_workers_ < num_workers) {
     const int index = num_workers_ + 1;
     // The worker starts from the current generation, so the run about to be
-    // published (under the same lock) is one it will pick up.
-    std::thread worker([this, index, seen = generation_] { worker_main(index, seen); });
-    // Pin worker i to the i-th allowed CPU (the caller, slice 0, is left where
-    // the OS put it): a static partition then keeps each slice's cache lines
-    // and TLB entries on one core for the whole sweep.
+    // published is one it will pick up.
+    std::thread worker([this, index, seen = generation_.load()] { worker_main(index, seen); });
+    // Pin worker i to the i-th allowed CPU (the caller is left where the OS
+    // put it), so workers never pile onto one core and a block's sweep stays
+    // on the core that started it; the dynamic blocks (dispatch.cpp) absorb a
+    // core that is busy with something else.
     const int cpu = nth_allowed_cpu(index);
     if (cpu >= 0) {
       cpu_set_t set;
@@ -61,19 +66,55 @@ void ThreadPool::ensure_workers(int num_workers) {
   }
 }
 
-void ThreadPool::worker_main(int index, uint64_t seen) {
-  std::unique_lock<std::mutex> lock(mu_);
+namespace {
+
+// Polls pred() for up to `micros` microseconds ([Note: short spin]).
+template <class Pred>
+bool spin_until(Pred pred, int64_t micros) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(micros);
   for (;;) {
-    wake_.wait(lock, [&] { return generation_ != seen; });
-    seen = generation_;
-    if (index >= active_) continue;
-    const Task task = task_;
-    void* ctx = ctx_;
-    const int count = active_;
-    lock.unlock();
-    task(ctx, index, count);
-    lock.lock();
-    if (--pending_ == 0) done_.notify_one();
+    for (int i = 0; i < 64; ++i) {
+      if (pred()) return true;
+      __builtin_ia32_pause();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return pred();
+  }
+}
+
+}  // namespace
+
+uint64_t ThreadPool::wait_generation(uint64_t seen) {
+  auto changed = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+  if (!spin_until(changed, spin_micros_.load(std::memory_order_relaxed))) {
+    std::unique_lock<std::mutex> lock(mu_);
+    wake_.wait(lock, changed);
+  }
+  return generation_.load(std::memory_order_acquire);
+}
+
+void ThreadPool::wait_done() {
+  auto done = [&] { return pending_.load(std::memory_order_acquire) == 0; };
+  if (!spin_until(done, spin_micros_.load(std::memory_order_relaxed))) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, done);
+  }
+}
+
+void ThreadPool::worker_main(int index, uint64_t seen) {
+  for (;;) {
+    seen = wait_generation(seen);
+    // The run's thread count travels in the same word as its generation: a
+    // worker that takes no part reads nothing else, so it cannot race with the
+    // next run's publication. A worker that slept through several runs has
+    // nothing to do for the old ones: each run waits for its workers.
+    const int count = static_cast<int>(seen & kCountMask);
+    if (index >= count) continue;
+    task_(ctx_, index, count);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // Taking the lock orders this notify after the caller's predicate check.
+      std::lock_guard<std::mutex> lock(mu_);
+      done_.notify_one();
+    }
   }
 }
 
@@ -83,19 +124,20 @@ void ThreadPool::run(int count, Task task, void* ctx) {
     return;
   }
   std::lock_guard<std::mutex> run_lock(run_mu_);
+  ensure_workers(count - 1);
+  assert(count <= static_cast<int>(kCountMask));
+  task_ = task;
+  ctx_ = ctx;
+  pending_.store(count - 1, std::memory_order_relaxed);
   {
+    // Under mu_ so a worker between its predicate check and its sleep cannot miss it.
     std::lock_guard<std::mutex> lock(mu_);
-    ensure_workers(count - 1);
-    task_ = task;
-    ctx_ = ctx;
-    active_ = count;
-    pending_ = count - 1;
-    ++generation_;
+    const uint64_t next = ((generation_.load(std::memory_order_relaxed) >> kCountBits) + 1) << kCountBits;
+    generation_.store(next | static_cast<uint64_t>(count), std::memory_order_release);
   }
   wake_.notify_all();
   task(ctx, 0, count);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_.wait(lock, [&] { return pending_ == 0; });
+  wait_done();
 }
 
 }  // namespace luwu::optim

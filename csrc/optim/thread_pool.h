@@ -4,16 +4,22 @@
 // ops on it; linking the system libgomp into _C as well would give the process
 // two OpenMP runtimes, each sizing its team to all cores, which oversubscribes
 // the CPU when a torch op and an optimizer step overlap (and the two runtimes'
-// spin-waits fight each other). The kernels only need a static split of one
-// flat range, so a few persistent threads (created once, pinned, woken by a
-// condition variable) give the same parallelism with no second runtime and no
+// spin-waits fight each other). The kernels only need to split one flat range,
+// so a few persistent threads (created once, pinned, woken through a
+// generation counter) give the same parallelism with no second runtime and no
 // per-call thread creation or allocation.
+//
+// [Note: short spin] The store calls the kernels on 1-64 MiB chunks back to
+// back, ~0.1-30 ms each. A worker that went to sleep on a futex takes tens of
+// microseconds to be scheduled again, which is ~15% of a 1 MiB call, so after
+// each task a worker (and the caller waiting for the workers) first polls for
+// a bounded time (50 us by default) before blocking; idle threads still end up asleep.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
-#include <thread>
 
 namespace luwu::optim {
 
@@ -29,18 +35,35 @@ class ThreadPool {
   // several threads are serialised.
   void run(int count, Task task, void* ctx);
 
+  // How long a thread polls before it sleeps ([Note: short spin]); 0 sleeps at once.
+  void set_spin_micros(int64_t micros) { spin_micros_.store(micros, std::memory_order_relaxed); }
+
  private:
+  static constexpr int64_t kDefaultSpinMicros = 50;
+  static constexpr int kCountBits = 8;
+  static constexpr uint64_t kCountMask = (1u << kCountBits) - 1;
+
+ public:
+  static constexpr int kMaxThreads = static_cast<int>(kCountMask);
+
+ private:
+
   void ensure_workers(int num_workers);
   void worker_main(int index, uint64_t seen);
+  uint64_t wait_generation(uint64_t seen);
+  void wait_done();
 
   std::mutex run_mu_;  // one run() at a time: the task slots below are shared
-  std::mutex mu_;      // guards every field below
+  std::mutex mu_;      // pairs with the condition variables (sleeping phase only)
   std::condition_variable wake_;
   std::condition_variable done_;
-  int num_workers_ = 0;
-  uint64_t generation_ = 0;
-  int active_ = 0;
-  int pending_ = 0;
+  int num_workers_ = 0;  // guarded by run_mu_
+  // (generation << kCountBits) | thread count of the run. A run writes task_,
+  // ctx_ and pending_, then publishes a new generation (release); a worker
+  // that sees it (acquire) and takes part reads them.
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<int64_t> spin_micros_{kDefaultSpinMicros};
   Task task_ = nullptr;
   void* ctx_ = nullptr;
 };

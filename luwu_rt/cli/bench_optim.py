@@ -18,8 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gradient dtype of our kernels (peers take fp32)")
     parser.add_argument("--param-out", choices=["bf16", "fp16"], default=None,
                         help="also write a low-precision copy of the parameters (a separate cast for peers)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--num-threads", type=int, default=None, help="threads for every CPU contestant")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the tensors live: cpu, or cuda for the GPU backends (default cpu)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="threads for torch, numba and our kernels (DeepSpeed follows OMP_NUM_THREADS)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--no-torch-ref", action="store_true", help="skip the slow torch reference backend")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -110,6 +110,22 @@ class OptimBench:
                          weight_decay=_HP["weight_decay"], param_out=self.out, backend=backend)
         return fn
 
+    def _ours_chunked(self, backend: str, chunk_numel: int) -> Callable[[], None]:
+        """The same step as chunk-sized calls, as the tiered store makes them:
+        measures what the per-call overhead costs. The views are made once."""
+        import luwu_rt.kernels as K
+
+        def views(t: torch.Tensor | None) -> list:
+            return [None] * len(range(0, self.config.numel, chunk_numel)) if t is None else list(t.split(chunk_numel))
+        chunks = list(zip(*(views(t) for t in (self.param, self.grad, self.exp_avg, self.exp_avg_sq, self.out))))
+
+        def fn() -> None:
+            self._step += 1
+            for p, g, m, v, out in chunks:
+                K.adamw_step(p, g, m, v, step=self._step, lr=_HP["lr"], weight_decay=_HP["weight_decay"],
+                             param_out=out, backend=backend)
+        return fn
+
     def _peer(self, name: str) -> Callable[[], None] | None:
         p = torch.nn.Parameter(self.param)  # a view of the same memory
         p.grad = self.grad32
@@ -150,8 +166,9 @@ class OptimBench:
         return lambda: dst.copy_(src)
 
     def contestants(self, names: list[str]) -> list[Contestant]:
-        """Builds the named contestants: "probe", backend names, "torch-fused",
-        "torch-foreach", "deepspeed"; unusable ones are recorded with a reason."""
+        """Builds the named contestants: "probe", backend names (and "<backend>-1MiB-chunks":
+        the step as 1 MiB calls), "torch-fused", "torch-foreach", "deepspeed";
+        unusable ones are recorded with a reason."""
         import luwu_rt.kernels as K
 
         status = K.available()
@@ -159,6 +176,8 @@ class OptimBench:
         for name in names:
             if name == "probe":
                 fn = self._probe()
+            elif name.endswith("-1MiB-chunks"):
+                fn = self._ours_chunked(name.removesuffix("-1MiB-chunks"), 1 << 18)
             elif name in status:
                 reason = status[name]
                 module = K._load(name) if reason is None else None
