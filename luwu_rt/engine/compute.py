@@ -65,10 +65,11 @@ class UnitCompute:
     """Callable ``(op, views)`` for the executor's ``Compute`` ops of one training step."""
 
     def __init__(self, chain: UnitChain, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 config: UnitwiseConfig, snapshot_arena: torch.Tensor | None = None) -> None:
-        """``snapshot_arena``: the device arena's buffer when parameter slots may be reused between a
-        kept unit's F and B, so that saved tensors aliasing it are copied ([Note: kept graphs in the
-        engine]); ``None`` when they never are."""
+                 config: UnitwiseConfig, device_arena: torch.Tensor | None = None,
+                 snapshot: bool = True) -> None:
+        """``device_arena``: the buffer the parameter views come from. ``snapshot``: whether parameter slots
+        may be reused between a kept unit's F and B, so that saved tensors aliasing the arena must be
+        copied ([Note: kept graphs in the engine])."""
         if config.keep_graph and max(config.keep_graph) >= chain.num_units:
             raise ValueError(f"keep_graph names unit {max(config.keep_graph)}, but the chain has "
                              f"{chain.num_units} units")
@@ -76,7 +77,8 @@ class UnitCompute:
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.config = config
-        self._arena_ptr = snapshot_arena.untyped_storage().data_ptr() if snapshot_arena is not None else None
+        self._arena_ptr = device_arena.untyped_storage().data_ptr() if device_arena is not None else None
+        self._snapshot = snapshot
         self.last_writer = {u: min((u, *chain.readers(u))) for u in range(chain.num_units)}
         self._lock = threading.Lock()
         self.begin([])
@@ -88,10 +90,12 @@ class UnitCompute:
         self.saved: list[dict[int, torch.Tensor]] = [{} for _ in batches]
         self.graphs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in batches]
         self.kept_bytes = 0
-        """Bytes held by kept graphs (activations and snapshots) this step, each storage counted once."""
+        """Bytes held by kept graphs (activations and snapshots), summed over this step's micro-batches."""
         self.snapshot_bytes = 0
         """Of those, bytes copied out of the device arena ([Note: kept graphs in the engine])."""
-        self._counted: set[int] = set()  # storages already in kept_bytes (a unit's output is the next one's input)
+        # Storages already in kept_bytes, per micro-batch (a unit's output is the next one's input). Per
+        # micro-batch: its saved tensors are all alive until its backward, so their addresses are unique.
+        self._counted: list[set[int]] = [set() for _ in batches]
         self.rng: list[dict[int, _RngState]] = [{} for _ in batches]
         self.carry: list[torch.Tensor | None] = [inputs for inputs, _ in batches]
         self.losses: list[float] = []
@@ -123,11 +127,13 @@ class UnitCompute:
     def _forward_kept(self, mb: int, k: int, x: torch.Tensor) -> None:
         """F(k) with grad, keeping the graph; saved tensors aliasing the arena are copied once."""
         copies: dict[tuple, torch.Tensor] = {}
-        counted = self._counted
+        counted = self._counted[mb]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
             if ptr == self._arena_ptr:
+                if not self._snapshot:
+                    return t  # the arena's bytes, not held by the graph
                 key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
                 if key not in copies:
                     copies[key] = t.detach().clone(memory_format=torch.preserve_format)

@@ -99,7 +99,8 @@ class Engine:
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=self.param_dtype,
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum,
                                                          keep_graph=self._kept_units()),
-                                   snapshot_arena=self.arenas["device"].buffer if reused else None)
+                                   device_arena=self.arenas["device"].buffer if "device" in self.arenas else None,
+                                   snapshot=reused)
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
         self.executor = Executor(self.plan, arenas=self.arenas, nvme=self.nvme,
                                  handlers={"Compute": self.compute, "OptimStep": self._optim_step})

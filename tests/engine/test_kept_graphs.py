@@ -67,14 +67,16 @@ def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, g
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
     # fp32 linears save their weights: those were copied out of the arena, and counted.
     assert kept.compute.snapshot_bytes > 0
-    assert all(m["kept_bytes"] > kept.compute.snapshot_bytes / STEPS for m in kept_metrics[1:])
+    assert all(m["kept_bytes"] > kept.compute.snapshot_bytes for m in kept_metrics)
     assert all(m["kept_bytes"] == 0 for m in rec_metrics)
 
 
 def test_device_resident_params_need_no_snapshot(tmp_path) -> None:
     kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", params="device", device_mem="64MiB"))
     recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", params="device", device_mem="64MiB"))
-    assert kept.compute.snapshot_bytes == 0 and kept_metrics[0]["kept_bytes"] > 0
+    assert kept.compute.snapshot_bytes == 0
+    # Activations only: the parameters the graphs save are the arena's own bytes.
+    assert all(0 < m["kept_bytes"] < kept.arenas["device"].nbytes / 4 for m in kept_metrics)
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
 
 
