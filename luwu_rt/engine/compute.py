@@ -12,6 +12,26 @@ When the last writer of a unit's gradients finishes (in the last micro-batch),
 the handler adds that unit's squared gradient norm to the step's total. The
 optimizer steps read the total only after the whole backward (the plan makes
 them wait when clipping or fp16 overflow checks are on), so it is complete.
+
+[Note: kept graphs in the engine]
+A unit in ``config.keep_graph`` runs its forward with grad and keeps the
+autograd graph until its backward instead of recomputing it ([Note: keeping a
+unit's graph] in unitwise.py). The graph's saved tensors include the unit's
+parameters (a fp32 ``linear`` saves its weight), and those are views of the
+device arena: between F(k) and B(k) the plan may free unit k's parameter slot
+and load another unit into the same bytes. Arena views have their own version
+counters (store/arena.py), so autograd would not notice and B(k) would compute
+with another unit's weights.
+
+So while a kept unit's forward runs, a ``saved_tensors_hooks`` pack hook
+copies every saved tensor that aliases the device arena, once, at pack time:
+the graph then owns its bytes and the arena is free to reuse the slot. Only
+what autograd actually saves is copied (under bf16 autocast the weights it
+saves are already casts, so nothing is), and nothing is copied when the
+parameters' home is the device tier: a home slot is never reused and the
+optimizer rewrites it only after the unit's last backward. The cost of kept
+graphs is memory: the units' activations (and any snapshots) live from F to B
+outside the arenas; ``kept_bytes`` measures them each step.
 """
 
 from __future__ import annotations
@@ -20,7 +40,7 @@ import threading
 
 import torch
 
-from luwu_rt.engine.unitwise import UnitwiseConfig, _autocast, _backward_unit, _RngState
+from luwu_rt.engine.unitwise import UnitwiseConfig, _as_unit_input, _autocast, _backward_unit, _differentiate, _RngState
 from luwu_rt.exec.executor import Views
 from luwu_rt.models.units import UnitChain, _swap_in
 from luwu_rt.plan.ops import Compute, ShardId
@@ -45,11 +65,20 @@ class UnitCompute:
     """Callable ``(op, views)`` for the executor's ``Compute`` ops of one training step."""
 
     def __init__(self, chain: UnitChain, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 config: UnitwiseConfig) -> None:
+                 config: UnitwiseConfig, device_arena: torch.Tensor | None = None,
+                 snapshot: bool = True) -> None:
+        """``device_arena``: the buffer the parameter views come from. ``snapshot``: whether parameter slots
+        may be reused between a kept unit's F and B, so that saved tensors aliasing the arena must be
+        copied ([Note: kept graphs in the engine])."""
+        if config.keep_graph and max(config.keep_graph) >= chain.num_units:
+            raise ValueError(f"keep_graph names unit {max(config.keep_graph)}, but the chain has "
+                             f"{chain.num_units} units")
         self.chain = chain
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.config = config
+        self._arena_ptr = device_arena.untyped_storage().data_ptr() if device_arena is not None else None
+        self._snapshot = snapshot
         self.last_writer = {u: min((u, *chain.readers(u))) for u in range(chain.num_units)}
         self._lock = threading.Lock()
         self.begin([])
@@ -59,6 +88,14 @@ class UnitCompute:
         self.batches = batches
         self.ctx = [self.chain.context(inputs) for inputs, _ in batches]
         self.saved: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+        self.graphs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in batches]
+        self.kept_bytes = 0
+        """Bytes held by kept graphs (activations and snapshots), summed over this step's micro-batches."""
+        self.snapshot_bytes = 0
+        """Of those, bytes copied out of the device arena ([Note: kept graphs in the engine])."""
+        # Storages already in kept_bytes, per micro-batch (a unit's output is the next one's input). Per
+        # micro-batch: its saved tensors are all alive until its backward, so their addresses are unique.
+        self._counted: list[set[int]] = [set() for _ in batches]
         self.rng: list[dict[int, _RngState]] = [{} for _ in batches]
         self.carry: list[torch.Tensor | None] = [inputs for inputs, _ in batches]
         self.losses: list[float] = []
@@ -78,14 +115,50 @@ class UnitCompute:
     def _forward(self, op: Compute) -> None:
         mb, k = op.micro_batch, op.unit
         x = self.carry[mb]
+        if k in self.config.keep_graph:
+            self._forward_kept(mb, k, x)
+            return
         self.saved[mb][k] = x
         if self.config.preserve_rng:
             self.rng[mb][k] = _RngState(x.device)
         with torch.no_grad(), _autocast(x.device, self.config):
             self.carry[mb] = self.chain.run(k, x, self.ctx[mb])
 
+    def _forward_kept(self, mb: int, k: int, x: torch.Tensor) -> None:
+        """F(k) with grad, keeping the graph; saved tensors aliasing the arena are copied once."""
+        copies: dict[tuple, torch.Tensor] = {}
+        counted = self._counted[mb]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr == self._arena_ptr:
+                if not self._snapshot:
+                    return t  # the arena's bytes, not held by the graph
+                key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+                if key not in copies:
+                    copies[key] = t.detach().clone(memory_format=torch.preserve_format)
+                    self.snapshot_bytes += copies[key].untyped_storage().nbytes()
+                t = copies[key]
+                ptr = t.untyped_storage().data_ptr()
+            if ptr not in counted:  # a storage saved by several ops is held once
+                counted.add(ptr)
+                self.kept_bytes += t.untyped_storage().nbytes()
+            return t
+
+        x_in = _as_unit_input(x, k)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+                _autocast(x.device, self.config):
+            y = self.chain.run(k, x_in, self.ctx[mb])
+        self.graphs[mb][k] = (x_in, y)
+        self.carry[mb] = y.detach()
+
     def _backward(self, op: Compute, views: Views) -> None:
         mb, k = op.micro_batch, op.unit
+        if k in self.graphs[mb]:
+            x_in, y = self.graphs[mb].pop(k)
+            grads, self.carry[mb] = _differentiate(self.chain, k, x_in, y, self.carry[mb])
+            self._store_grads(op, views, mb, k, grads)
+            return
         last = self.chain.num_units - 1
         if k == last:  # [Note: the last unit runs once] in unitwise.py
             self.saved[mb][k] = self.carry[mb]
@@ -97,6 +170,10 @@ class UnitCompute:
             is_last=k == last, rng=self.rng[mb].pop(k, None), config=self.config)
         if loss is not None:
             self.losses.append(loss)
+        self._store_grads(op, views, mb, k, grads)
+
+    def _store_grads(self, op: Compute, views: Views, mb: int, k: int,
+                     grads: dict[int, list[torch.Tensor | None]]) -> None:
         written = {a.shard for a in op.inputs if a.shard.state == "grad"}
         for unit in (k, *self.chain.reads(k)):
             sid = ShardId(unit, "grad", 0)

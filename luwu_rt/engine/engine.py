@@ -85,8 +85,14 @@ class Engine:
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
         self.model_spec = self._model_spec()
         self._plan()
+        # A parameter slot is reused between a kept unit's F and B unless the parameters live on the
+        # device tier; then saved tensors aliasing the arena are copied ([Note: kept graphs in the engine]).
+        reused = self.plan.homes.get("param") != "device" and "device" in self.arenas
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=self.param_dtype,
-                                   config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum))
+                                   config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum,
+                                                         keep_graph=self._kept_units()),
+                                   device_arena=self.arenas["device"].buffer if "device" in self.arenas else None,
+                                   snapshot=reused)
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
         self.executor = Executor(self.plan, arenas=self.arenas, nvme=self.nvme,
                                  handlers={"Compute": self.compute, "OptimStep": self._optim_step})
@@ -115,6 +121,15 @@ class Engine:
                          max_shards_per_state=1, tokens_per_step=c.batch_size * c.seq_len * c.grad_accum,
                          num_micro_batches=c.grad_accum,
                          optimizer_waits_for_backward=c.optim.grad_clip > 0 or c.dtype == "fp16")
+
+    def _kept_units(self) -> frozenset[int]:
+        """``config.keep_graphs`` as unit indices; the last unit runs once anyway ([Note: the last unit
+        runs once] in unitwise.py), so at most the units before it."""
+        keep, last = self.config.keep_graphs, self.chain.num_units - 1
+        if keep == "auto":
+            keep = "all" if self.device.type == "cpu" else "none"
+        count = {"all": last, "none": 0}.get(keep, keep)
+        return frozenset(range(max(last - count, 0), last))
 
     def _plan(self) -> None:
         off = self.config.offload
@@ -222,7 +237,7 @@ class Engine:
             "step": self.step, "loss": sum(self.compute.losses) / len(self.compute.losses),
             "lr": self.optimizer.hyper.lr, "grad_norm": self.grad_norm(), "skipped": bool(self._skip),
             "step_s": step_s, "tokens_per_s": tokens / step_s, "compute_s": busy.get("compute", 0.0),
-            "optim_s": busy.get("optim", 0.0),
+            "optim_s": busy.get("optim", 0.0), "kept_bytes": self.compute.kept_bytes,
             "io_s": sum(busy.get(q, 0.0) for q in ("nvme_read", "nvme_write", "h2d", "d2h")),
             "wait_s": max(step_s - busy.get("compute", 0.0), 0.0),  # compute queue idle: waiting on IO or the optimizer
         }

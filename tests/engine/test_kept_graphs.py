@@ -1,0 +1,94 @@
+"""Kept graphs in the engine ([Note: kept graphs in the engine] in engine/compute.py): a unit whose
+forward keeps its autograd graph trains exactly like a recomputed one, also when the plan reuses the
+unit's parameter slot on the device between its forward and its backward."""
+
+import pytest
+import torch
+
+from luwu_rt.config import from_mapping
+from luwu_rt.engine import Engine, TrainConfig
+from luwu_rt.plan.ops import Compute, Load
+
+STEPS = 4
+
+
+def _config(tmp_path, *, keep, params="host", device_mem="2MiB", grad_accum=1) -> TrainConfig:
+    # 2 MiB of device memory holds about two gpt-tiny blocks: parameter slots are recycled.
+    return from_mapping(TrainConfig, {
+        "model": "gpt-tiny", "steps": STEPS, "batch_size": 2, "seq_len": 16, "seed": 5, "keep_graphs": keep,
+        "grad_accum": grad_accum, "optim": {"lr": 3e-3, "warmup_steps": 1, "grad_clip": 0.0},
+        "offload": {"params": params, "optimizer": "host", "grads": "host", "device_mem": device_mem,
+                    "host_mem": "64MiB", "chunk_size": "64KiB", "nvme_dir": str(tmp_path / "nvme")}})
+
+
+def _batches(config: TrainConfig):
+    g = torch.Generator().manual_seed(11)
+    data = torch.randint(0, 256, (STEPS, config.grad_accum, config.batch_size, config.seq_len + 1), generator=g)
+    return [[(mb[:, :-1], mb[:, 1:]) for mb in d] for d in data]
+
+
+def _slot_reused_between_f_and_b(engine: Engine, unit: int) -> bool:
+    """Whether the plan loads other bytes over unit ``unit``'s forward parameter slot before its backward."""
+    ops = engine.plan.ops
+    index = {op.name: i for i, op in enumerate(ops) if isinstance(op, Compute) and op.micro_batch == 0}
+    f_op = ops[index[f"F{unit}"]]
+    access = next(a for a in f_op.inputs if a.shard.unit == unit and a.shard.state == "param")
+    slot, end = access.slot, access.slot + engine.plan.shards[access.shard].nbytes
+    for op in ops[index[f"F{unit}"] + 1 : index[f"B{unit}"]]:
+        if isinstance(op, Load) and op.outputs[0].tier == "device":
+            dst = op.outputs[0]
+            if dst.slot < end and slot < dst.slot + engine.plan.shards[dst.shard].nbytes:
+                return True
+    return False
+
+
+def _train(config: TrainConfig) -> tuple[Engine, list[dict]]:
+    engine = Engine(None, config)
+    return engine, [engine.train_step(b) for b in _batches(config)]
+
+
+def _assert_same_training(a: Engine, a_metrics, b: Engine, b_metrics) -> None:
+    assert [m["loss"] for m in a_metrics] == pytest.approx([m["loss"] for m in b_metrics], rel=1e-6)
+    for u in range(a.chain.num_units):
+        n = a.chain.num_unit_params(u)
+        torch.testing.assert_close(a.executor.read_state(u, "master", torch.empty(n)),
+                                   b.executor.read_state(u, "master", torch.empty(n)), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, grad_accum) -> None:
+    kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", grad_accum=grad_accum))
+    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", grad_accum=grad_accum))
+    last = kept.chain.num_units - 1
+    assert kept.compute.config.keep_graph == frozenset(range(last))
+    assert recomputed.compute.config.keep_graph == frozenset()
+    # The premise: under this budget some kept unit's parameter bytes are overwritten before its backward.
+    assert any(_slot_reused_between_f_and_b(kept, u) for u in range(last))
+    _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
+    # fp32 linears save their weights: those were copied out of the arena, and counted.
+    assert kept.compute.snapshot_bytes > 0
+    assert all(m["kept_bytes"] > kept.compute.snapshot_bytes for m in kept_metrics)
+    assert all(m["kept_bytes"] == 0 for m in rec_metrics)
+
+
+def test_device_resident_params_need_no_snapshot(tmp_path) -> None:
+    kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", params="device", device_mem="64MiB"))
+    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", params="device", device_mem="64MiB"))
+    assert kept.compute.snapshot_bytes == 0
+    # Activations only: the parameters the graphs save are the arena's own bytes.
+    assert all(0 < m["kept_bytes"] < kept.arenas["device"].nbytes / 4 for m in kept_metrics)
+    _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
+
+
+def test_kept_units_from_config(tmp_path) -> None:
+    last = Engine(None, _config(tmp_path, keep="none")).chain.num_units - 1
+    for keep, expect in [("all", range(last)), ("none", ()), (2, range(last - 2, last)), (0, ()),
+                         (99, range(last)), ("auto", range(last))]:  # auto: all on the CPU
+        engine = Engine(None, _config(tmp_path, keep=keep), materialize=False)
+        assert engine.compute.config.keep_graph == frozenset(expect), keep
+
+
+@pytest.mark.parametrize("bad", ["some", -1, 1.5, True])
+def test_bad_keep_graphs_is_a_clear_error(tmp_path, bad) -> None:
+    with pytest.raises(ValueError, match="keep_graphs"):
+        _config(tmp_path, keep=bad)
