@@ -1,4 +1,4 @@
-"""Best-fit byte-range allocator that remembers who freed each range.
+"""Byte-range allocator that remembers who freed each range.
 
 The planner assigns every copy on the device and host tiers a slot (a byte
 offset) in that tier's arena. A new copy may only reuse bytes once the op that
@@ -31,17 +31,32 @@ class Arena:
         return holes
 
     def alloc(self, nbytes: int) -> tuple[int, tuple[int, ...]] | None:
-        """(offset, frees to depend on) of the smallest hole that fits (best fit keeps large
-        holes for large shards), or None."""
-        fitting = [h for h in self._holes() if h[0] >= nbytes]
-        if not fitting:
-            return None
-        _, i, j = min(fitting)
+        """(offset, frees to depend on) of the hole that fits and was freed longest ago, the
+        smallest such hole on a tie (best fit keeps large holes for large shards), or None.
+
+        [Note: reuse the oldest free bytes]
+        A copy placed in bytes freed by op ``f`` cannot be produced before ``f`` runs. Taking
+        the bytes freed earliest (never-used bytes first) keeps that false dependency as far
+        back as the budget allows, so a prefetch can start early instead of waiting for the
+        op that happens to free a hole of exactly the right size (best fit alone would chain
+        each unit's loads to the previous unit's optimizer step)."""
         segs = self._segments
+        best: tuple[int, int, int, int] | None = None  # (newest free, hole length, first seg, last seg)
+        for length, i, _j in self._holes():
+            if length < nbytes:
+                continue
+            end, k, newest = segs[i][0] + nbytes, i, -1
+            while True:
+                newest = max(newest, -1 if segs[k][2] is None else segs[k][2])
+                if segs[k][1] >= end:
+                    break
+                k += 1
+            if best is None or (newest, length) < best[:2]:
+                best = (newest, length, i, k)
+        if best is None:
+            return None
+        _, _, i, k = best
         start, end = segs[i][0], segs[i][0] + nbytes
-        k = i
-        while segs[k][1] < end:
-            k += 1
         deps = tuple(sorted({s[2] for s in segs[i:k + 1] if s[2] is not None}))
         segs[i:k + 1] = [(end, segs[k][1], segs[k][2])] if segs[k][1] > end else []
         self.used_bytes += nbytes
