@@ -106,4 +106,17 @@ def test_optimizer_only_plan_streams_state_once_and_overlaps_reads_with_writes()
     optim_s = 6 * numel / PROFILE.host_optim_params_per_s
     assert max(read_s, write_s, optim_s) <= cost.predicted_step_s < read_s + write_s + optim_s
     # [Note: one disk]: reads and writes share the device's time however well they overlap.
-    assert cost.predicted_step_s >= read_s + write_s - 1e-9 and cost.bottleneck == "nvme"
+    assert cost.predicted_step_s >= read_s + write_s - 1e-9
+
+
+def test_reads_and_writes_share_one_disk():
+    from luwu_rt.plan import ModelSpec, UnitSpec
+
+    model = ModelSpec(units=tuple(UnitSpec(name=f"u{i}", num_params=2**20) for i in range(6)), param_bytes=4,
+                      grad_bytes=4, chunk_bytes=2**20, optimizer_only=True)
+    plan = plan_step(model, budgets=Budgets(device_bytes=0, host_bytes=2**30),
+                     placement=Placement(params="nvme", optimizer="nvme", grads="nvme"))
+    fast_optimizer = HardwareProfile(nvme_read_gbps=0.5, nvme_write_gbps=0.5, host_optim_params_per_s=1e12)
+    cost = estimate(plan, fast_optimizer)
+    disk_s = cost.busy_s["nvme_read"] + cost.busy_s["nvme_write"]
+    assert cost.predicted_step_s == pytest.approx(disk_s) and cost.bottleneck == "nvme"
