@@ -195,8 +195,7 @@ class Engine:
             waits = self.model_spec.optimizer_waits_for_backward
             self._skip = waits and not math.isfinite(self.grad_norm())
             self.optimizer.hyper = self._hyper()
-        if not self._skip:
-            self.optimizer(op, views)
+        self.optimizer(op, views, update=not self._skip)
 
     def sampler(self):
         """The configured training data's batch sampler (created on first use)."""

@@ -81,7 +81,11 @@ class AdamWHandler:
                 out[state] = typed[state][i][a - st[i] : b - st[i]]
             yield out
 
-    def __call__(self, op: OptimStep, views: Views) -> None:
+    def __call__(self, op: OptimStep, views: Views, *, update: bool = True) -> None:
+        """Updates the unit's shards in ``views``. ``update=False`` (a skipped step) leaves the
+        optimizer state alone but still writes the compute copy of the parameters from the
+        master: the plan stores that output whether or not the step was applied, and an
+        output buffer is not loaded first."""
         from luwu_rt.kernels import adamw_step
 
         assert self.step >= 1, "set handler.step before running the plan"
@@ -92,12 +96,13 @@ class AdamWHandler:
         for piece in self._pieces(unit_views):
             param = piece.get("param")
             # An fp32 compute copy is not a low-precision copy-out: refresh it from the master.
-            fused_out = param if param is not None and param.dtype != torch.float32 else None
-            adamw_step(
-                piece["master"], piece["grad"], piece["exp_avg"], piece["exp_avg_sq"],
-                step=self.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                weight_decay=h.weight_decay, grad_scale=h.grad_scale,
-                param_out=fused_out, backend=self.backend,
-            )
+            fused_out = param if update and param is not None and param.dtype != torch.float32 else None
+            if update:
+                adamw_step(
+                    piece["master"], piece["grad"], piece["exp_avg"], piece["exp_avg_sq"],
+                    step=self.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                    weight_decay=h.weight_decay, grad_scale=h.grad_scale,
+                    param_out=fused_out, backend=self.backend,
+                )
             if param is not None and fused_out is None:
                 param.copy_(piece["master"])

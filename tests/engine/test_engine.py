@@ -125,3 +125,32 @@ def test_evaluate_is_finite_and_learning_lowers_it(tmp_path) -> None:
         engine.train_step()
     after = engine.evaluate(num_batches=2)
     assert math.isfinite(before) and after < before
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_compute_with_fp32_master(tmp_path, dtype) -> None:
+    config = _config(tmp_path, ("host", "nvme", "host"), dtype=dtype, steps=30, batch_size=8, seq_len=32,
+                     optim={"lr": 3e-3})
+    engine = Engine(None, config)
+    assert engine.param_dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    metrics = [engine.train_step() for _ in range(30)]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    assert sum(m["loss"] for m in metrics[-5:]) < sum(m["loss"] for m in metrics[:5])
+    # The compute copy is the master weights rounded to the compute dtype.
+    n = engine.chain.num_unit_params(1)
+    master = engine.executor.read_state(1, "master", torch.empty(n))
+    param = engine.executor.read_state(1, "param", torch.empty(n, dtype=engine.param_dtype))
+    assert torch.equal(param, master.to(engine.param_dtype))
+
+
+@pytest.mark.parametrize("placement", [("host", "host", "host"), ("nvme", "host", "host")], ids="-".join)
+def test_fp16_overflow_skips_the_step(tmp_path, placement) -> None:
+    config = _config(tmp_path, placement, dtype="fp16", loss_scale=1e30)
+    engine = Engine(None, config)
+    n = engine.chain.num_unit_params(1)
+    before = {s: engine.executor.read_state(1, s, torch.empty(n, dtype=torch.float16 if s == "param" else torch.float32))
+              for s in ("master", "exp_avg", "param")}
+    m = engine.train_step()
+    assert m["skipped"] and not math.isfinite(m["grad_norm"]) and engine.adam_step == 0 and engine.step == 1
+    for state, value in before.items():  # nothing changed, the compute copy included
+        assert torch.equal(engine.executor.read_state(1, state, torch.empty_like(value)), value), state
