@@ -35,6 +35,14 @@ def _check_param(p: torch.Tensor) -> None:
         raise ValueError("sparse gradients are not supported by the fused kernels")
 
 
+
+def _run_closure(closure: Callable[[], float] | None) -> float | None:
+    """torch.optim's closure protocol: re-evaluate the loss with grad enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
 class Adam(torch.optim.Optimizer):
     """torch.optim.Adam on the fused kernels (L2 weight decay unless
     ``decoupled_weight_decay``). ``backend`` selects the kernel backend
@@ -57,10 +65,7 @@ class Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         for group in self.param_groups:
             _refuse_unsupported(group)
             fn = K.adamw_step if group.get("decoupled_weight_decay", False) else K.adam_step
@@ -112,10 +117,7 @@ class SGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         for group in self.param_groups:
             _refuse_unsupported(group)
             momentum = float(group["momentum"])
