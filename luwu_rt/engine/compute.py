@@ -180,7 +180,7 @@ class UnitCompute:
             flat = views[sid].view(self.grad_dtype)[: self.chain.num_unit_params(unit)]
             self._write_grads(unit, flat, grads.get(unit), accumulate=sid in written)
             if self.last_writer[unit] == k and mb == len(self.batches) - 1:
-                norm_sq = float(flat.float().pow(2).sum())  # [Note: gradient norm]
+                norm_sq = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2  # [Note: gradient norm]
                 with self._lock:
                     self.grad_norm_sq += norm_sq
 
