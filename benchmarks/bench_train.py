@@ -334,7 +334,7 @@ def main() -> int:
     parser.add_argument("--p5-seq-len", type=int, default=64)
     parser.add_argument("--p5-device-mem", default="512MiB", help="device budget of the offloaded placement")
     parser.add_argument("--p5-host-mem", default="1GiB")
-    parser.add_argument("--p5-rounds", type=int, default=5)
+    parser.add_argument("--p5-rounds", type=int, default=7)
     parser.add_argument("--p5-steps", type=int, default=3, help="steps per contestant per round")
     parser.add_argument("--p5-warmup", type=int, default=2)
     parser.add_argument("--p7-model", default="gpt-1.3b")

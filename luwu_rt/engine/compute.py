@@ -27,9 +27,12 @@ So while a kept unit's forward runs, a ``saved_tensors_hooks`` pack hook
 copies every saved tensor that aliases the device arena, once, at pack time:
 the graph then owns its bytes and the arena is free to reuse the slot. Only
 what autograd actually saves is copied (under bf16 autocast the weights it
-saves are already casts, so nothing is), and nothing is copied when the
-parameters' home is the device tier: a home slot is never reused and the
-optimizer rewrites it only after the unit's last backward. The cost of kept
+saves are already casts, so nothing is), and only for the forwards whose
+parameter copies are at risk (``params_at_risk``): those whose backward reads
+another copy, or whose copy the plan frees, reloads or rewrites in between. A
+copy the plan keeps from F to B (a device home, or a budget roomy enough to
+keep the unit resident) is only released after B, so its bytes are intact. The
+cost of kept
 graphs is memory: the units' activations (and any snapshots) live from F to B
 outside the arenas; ``kept_bytes`` measures them each step.
 """
@@ -43,9 +46,32 @@ import torch
 from luwu_rt.engine.unitwise import UnitwiseConfig, _as_unit_input, _autocast, _backward_unit, _differentiate, _RngState
 from luwu_rt.exec.executor import Views
 from luwu_rt.models.units import UnitChain, _swap_in
-from luwu_rt.plan.ops import Compute, ShardId
+from luwu_rt.plan.ops import Access, Compute, Free, Op, ShardId, SwapPlan
 
-__all__ = ["UnitCompute", "bind_unit_params"]
+__all__ = ["UnitCompute", "bind_unit_params", "params_at_risk"]
+
+
+def params_at_risk(plan: SwapPlan) -> frozenset[tuple[int, int]]:
+    """``(micro_batch, unit)`` of the forwards whose device parameter copies may be overwritten before
+    the unit's backward: a graph they keep must copy what it saves ([Note: kept graphs in the engine])."""
+    ops = plan.ops
+    position = {(op.name[0], op.micro_batch, op.unit): i for i, op in enumerate(ops) if isinstance(op, Compute)}
+    risky = set()
+    for (phase, mb, unit), f in position.items():
+        if phase != "F":
+            continue
+        b = position.get(("B", mb, unit))
+        copies = {a for a in ops[f].inputs if a.shard.state == "param" and a.tier == "device"}
+        if b is None or not copies <= set(ops[b].inputs) or any(_touches(op, copies) for op in ops[f + 1 : b]):
+            risky.add((mb, unit))
+    return frozenset(risky)
+
+
+def _touches(op: Op, copies: set[Access]) -> bool:
+    """Whether ``op`` frees or writes one of ``copies`` (another shard can only take their bytes after a Free)."""
+    if isinstance(op, Free):
+        return Access(op.shard, op.tier, op.slot) in copies
+    return any(a in copies for a in op.outputs)
 
 
 def bind_unit_params(chain: UnitChain, unit: int, flat: torch.Tensor) -> None:
@@ -66,10 +92,10 @@ class UnitCompute:
 
     def __init__(self, chain: UnitChain, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  config: UnitwiseConfig, device_arena: torch.Tensor | None = None,
-                 snapshot: bool = True) -> None:
-        """``device_arena``: the buffer the parameter views come from. ``snapshot``: whether parameter slots
-        may be reused between a kept unit's F and B, so that saved tensors aliasing the arena must be
-        copied ([Note: kept graphs in the engine])."""
+                 at_risk: frozenset[tuple[int, int]] | None = None) -> None:
+        """``device_arena``: the buffer the parameter views come from. ``at_risk``: the ``(micro_batch, unit)``
+        forwards whose saved tensors aliasing the arena must be copied (``params_at_risk(plan)``); ``None``:
+        all of them ([Note: kept graphs in the engine])."""
         if config.keep_graph and max(config.keep_graph) >= chain.num_units:
             raise ValueError(f"keep_graph names unit {max(config.keep_graph)}, but the chain has "
                              f"{chain.num_units} units")
@@ -78,7 +104,7 @@ class UnitCompute:
         self.grad_dtype = grad_dtype
         self.config = config
         self._arena_ptr = device_arena.untyped_storage().data_ptr() if device_arena is not None else None
-        self._snapshot = snapshot
+        self._at_risk = at_risk
         self.last_writer = {u: min((u, *chain.readers(u))) for u in range(chain.num_units)}
         self._lock = threading.Lock()
         self.begin([])
@@ -128,11 +154,12 @@ class UnitCompute:
         """F(k) with grad, keeping the graph; saved tensors aliasing the arena are copied once."""
         copies: dict[tuple, torch.Tensor] = {}
         counted = self._counted[mb]
+        snapshot = self._at_risk is None or (mb, k) in self._at_risk
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
             if ptr == self._arena_ptr:
-                if not self._snapshot:
+                if not snapshot:
                     return t  # the arena's bytes, not held by the graph
                 key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
                 if key not in copies:

@@ -7,6 +7,7 @@ import torch
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
+from luwu_rt.engine.compute import params_at_risk
 from luwu_rt.plan.ops import Compute, Load
 
 STEPS = 4
@@ -62,8 +63,10 @@ def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, g
     last = kept.chain.num_units - 1
     assert kept.compute.config.keep_graph == frozenset(range(last))
     assert recomputed.compute.config.keep_graph == frozenset()
-    # The premise: under this budget some kept unit's parameter bytes are overwritten before its backward.
-    assert any(_slot_reused_between_f_and_b(kept, u) for u in range(last))
+    # The premise: under this budget some kept unit's parameter bytes are overwritten before its backward,
+    # and the plan analysis flags every such forward.
+    reused = {u for u in range(last) if _slot_reused_between_f_and_b(kept, u)}
+    assert reused and {(0, u) for u in reused} <= params_at_risk(kept.plan)
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
     # fp32 linears save their weights: those were copied out of the arena, and counted.
     assert kept.compute.snapshot_bytes > 0
@@ -77,6 +80,15 @@ def test_device_resident_params_need_no_snapshot(tmp_path) -> None:
     assert kept.compute.snapshot_bytes == 0
     # Activations only: the parameters the graphs save are the arena's own bytes.
     assert all(0 < m["kept_bytes"] < kept.arenas["device"].nbytes / 4 for m in kept_metrics)
+    _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
+
+
+def test_params_kept_resident_from_f_to_b_need_no_snapshot(tmp_path) -> None:
+    # A roomy device budget: the plan loads each unit's parameters once and frees them after its backward.
+    kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", device_mem="64MiB"))
+    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", device_mem="64MiB"))
+    assert kept.placement.params == "host" and params_at_risk(kept.plan) == frozenset()
+    assert kept.compute.snapshot_bytes == 0
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
 
 
