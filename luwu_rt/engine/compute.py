@@ -31,10 +31,14 @@ saves are already casts, so nothing is), and only for the forwards whose
 parameter copies are at risk (``params_at_risk``): those whose backward reads
 another copy, or whose copy the plan frees, reloads or rewrites in between. A
 copy the plan keeps from F to B (a device home, or a budget roomy enough to
-keep the unit resident) is only released after B, so its bytes are intact. The
-cost of kept
-graphs is memory: the units' activations (and any snapshots) live from F to B
-outside the arenas; ``kept_bytes`` measures them each step.
+keep the unit resident) is only released after B, so its bytes are intact.
+Binding kept units to handler-owned parameter copies would also be sound, but
+would copy every parameter, also those autograd never saves.
+
+The cost of kept graphs is memory: the units' activations (and any snapshots)
+live from F to B outside the arenas, which the plan does not see; hence
+``TrainConfig.keep_graphs="auto"`` keeps them on the CPU only, and
+``kept_bytes`` in the step metrics reports them.
 """
 
 from __future__ import annotations
