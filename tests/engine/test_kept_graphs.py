@@ -104,3 +104,28 @@ def test_kept_units_from_config(tmp_path) -> None:
 def test_bad_keep_graphs_is_a_clear_error(tmp_path, bad) -> None:
     with pytest.raises(ValueError, match="keep_graphs"):
         _config(tmp_path, keep=bad)
+
+
+def test_units_compute_on_one_long_lived_thread_and_errors_reach_the_caller(tmp_path) -> None:
+    import threading
+
+    from luwu_rt.engine import compute
+
+    engine = Engine(None, _config(tmp_path, keep="all", device_mem="64MiB"))
+    threads = set()
+    run = engine.compute._run
+
+    def recording(op, views):
+        threads.add(threading.get_ident())
+        run(op, views)
+
+    engine.compute._run = recording
+    for batch in _batches(engine.config)[:2]:
+        engine.train_step(batch)
+    assert len(threads) == 1 and threading.get_ident() not in threads  # the same thread, step after step
+    with pytest.raises(RuntimeError, match="boom"):
+        compute._COMPUTE_THREAD.call(_raise, RuntimeError("boom"))
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
