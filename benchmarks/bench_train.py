@@ -63,8 +63,9 @@ def _load() -> str:
 
 
 def _config(model: str, *, batch_size: int, seq_len: int, steps: int, offload: dict, **extra) -> TrainConfig:
+    optim = {**_OPTIM, **extra.pop("optim", {})}
     return from_mapping(TrainConfig, {"model": model, "batch_size": batch_size, "seq_len": seq_len, "steps": steps,
-                                      "seed": 0, "optim": _OPTIM, "offload": offload, **extra})
+                                      "seed": 0, "optim": optim, "offload": offload, **extra})
 
 
 def _batches(vocab: int, *, batch_size: int, seq_len: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -236,7 +237,7 @@ def _p7_engine(args) -> tuple[Engine, float]:
     off = {"params": "auto", "optimizer": "auto", "grads": "auto", "device_mem": args.p7_device_mem,
            "host_mem": args.p7_host_mem, "chunk_size": "16MiB", "nvme_dir": args.nvme_dir}
     config = _config(args.p7_model, batch_size=args.p7_batch_size, seq_len=args.p7_seq_len, steps=_TOTAL_STEPS,
-                     offload=off, dtype="bf16")
+                     offload=off, dtype="bf16", optim={"grad_clip": args.p7_grad_clip})
     start = time.perf_counter()
     engine = Engine(None, config)
     return engine, time.perf_counter() - start
@@ -294,7 +295,8 @@ def _p7_report(args, engine: Engine, rows, setup_s, measured_pred, free_before, 
     moved = ", ".join(f"{t}: {v['read'] / _GB:.2f} GB out / {v['write'] / _GB:.2f} GB in" for t, v in io.items())
     tokens = args.p7_batch_size * args.p7_seq_len
     lines = ["## P7: fp32 training state >= 3x the host budget, through NVMe", "",
-             f"{args.p7_model} ({n / 1e9:.2f}B params), bf16 compute with fp32 master weights and moments, batch "
+             f"{args.p7_model} ({n / 1e9:.2f}B params), bf16 compute with fp32 master weights and moments, "
+             f"gradient clipping {args.p7_grad_clip or 'off'}, batch "
              f"{args.p7_batch_size} x seq {args.p7_seq_len}. fp32 state (master + moments) {state / 2**30:.1f} GiB "
              f"= {state / host:.1f}x the host budget of {host / 2**30:.1f} GiB; device budget "
              f"{engine.config.offload.device_mem / 2**30:.1f} GiB (a CPU arena here). Placement chosen by the "
@@ -332,7 +334,7 @@ def main() -> int:
     parser.add_argument("--p5-seq-len", type=int, default=64)
     parser.add_argument("--p5-device-mem", default="512MiB", help="device budget of the offloaded placement")
     parser.add_argument("--p5-host-mem", default="1GiB")
-    parser.add_argument("--p5-rounds", type=int, default=5)
+    parser.add_argument("--p5-rounds", type=int, default=7)
     parser.add_argument("--p5-steps", type=int, default=3, help="steps per contestant per round")
     parser.add_argument("--p5-warmup", type=int, default=2)
     parser.add_argument("--p7-model", default="gpt-1.3b")
@@ -341,6 +343,9 @@ def main() -> int:
     parser.add_argument("--p7-host-mem", default="4GiB")
     parser.add_argument("--p7-device-mem", default="2GiB")
     parser.add_argument("--p7-steps", type=int, default=3, help="measured steps after one warm-up step")
+    parser.add_argument("--p7-grad-clip", type=float, default=0.0,
+                        help="0 lets each unit's update (and its state IO) overlap the backward; exact clipping "
+                             "makes every update wait for the whole backward (engine.py, [Note: clipping])")
     parser.add_argument("--nvme-dir", default="/work/tmp-nvme", help="a directory on a real disk (not tmpfs)")
     parser.add_argument("--trace", default=None, help="write P7's last step as Chrome trace JSON")
     args = parser.parse_args()

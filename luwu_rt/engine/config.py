@@ -135,9 +135,10 @@ class TrainConfig:
     keep_graphs: int | str = "auto"
     """Units whose forward keeps its autograd graph until backward instead of being recomputed: ``"all"``,
     ``"none"``, or a number N (the N units just before the last). Kept graphs save a forward per unit
-    (~25% of a step) and cost the units' activations in memory, outside the budgets. ``"auto"``: ``"all"``
-    when computing on the CPU (activations live in host RAM, and the step is measured faster), ``"none"``
-    on a GPU, whose memory the plan's device budget already claims ([Note: kept graphs in the engine])."""
+    (~15-20% of a CPU step in benchmarks/bench_train.py) and cost the units' activations in memory,
+    outside the budgets. ``"auto"``: ``"all"`` when computing on the CPU (activations live in host RAM,
+    and the step is measured faster), ``"none"`` on a GPU, whose memory the plan's device budget already
+    claims ([Note: kept graphs in the engine])."""
     io_backend: str = "auto"
     """IO engine backend: ``auto``, ``io_uring`` or ``threads``."""
     data: DataConfig = field(default_factory=DataConfig)

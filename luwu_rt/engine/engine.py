@@ -32,7 +32,7 @@ from torch import nn
 
 from luwu_rt.config import from_mapping, merge
 from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_checkpoints
-from luwu_rt.engine.compute import UnitCompute, bind_unit_params
+from luwu_rt.engine.compute import UnitCompute, bind_unit_params, params_at_risk
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.engine.schedule import lr_at
 from luwu_rt.engine.unitwise import UnitHooks, UnitwiseConfig, unitwise_loss
@@ -85,14 +85,11 @@ class Engine:
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
         self.model_spec = self._model_spec()
         self._plan()
-        # A parameter slot is reused between a kept unit's F and B unless the parameters live on the
-        # device tier; then saved tensors aliasing the arena are copied ([Note: kept graphs in the engine]).
-        reused = self.plan.homes.get("param") != "device" and "device" in self.arenas
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=self.param_dtype,
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum,
                                                          keep_graph=self._kept_units()),
                                    device_arena=self.arenas["device"].buffer if "device" in self.arenas else None,
-                                   snapshot=reused)
+                                   at_risk=params_at_risk(self.plan))
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
         self.executor = Executor(self.plan, arenas=self.arenas, nvme=self.nvme,
                                  handlers={"Compute": self.compute, "OptimStep": self._optim_step})

@@ -7,6 +7,7 @@ import torch
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
+from luwu_rt.engine.compute import params_at_risk
 from luwu_rt.plan.ops import Compute, Load
 
 STEPS = 4
@@ -62,8 +63,10 @@ def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, g
     last = kept.chain.num_units - 1
     assert kept.compute.config.keep_graph == frozenset(range(last))
     assert recomputed.compute.config.keep_graph == frozenset()
-    # The premise: under this budget some kept unit's parameter bytes are overwritten before its backward.
-    assert any(_slot_reused_between_f_and_b(kept, u) for u in range(last))
+    # The premise: under this budget some kept unit's parameter bytes are overwritten before its backward,
+    # and the plan analysis flags every such forward.
+    reused = {u for u in range(last) if _slot_reused_between_f_and_b(kept, u)}
+    assert reused and {(0, u) for u in reused} <= params_at_risk(kept.plan)
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
     # fp32 linears save their weights: those were copied out of the arena, and counted.
     assert kept.compute.snapshot_bytes > 0
@@ -80,6 +83,15 @@ def test_device_resident_params_need_no_snapshot(tmp_path) -> None:
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
 
 
+def test_params_kept_resident_from_f_to_b_need_no_snapshot(tmp_path) -> None:
+    # A roomy device budget: the plan loads each unit's parameters once and frees them after its backward.
+    kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", device_mem="64MiB"))
+    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", device_mem="64MiB"))
+    assert kept.placement.params == "host" and params_at_risk(kept.plan) == frozenset()
+    assert kept.compute.snapshot_bytes == 0
+    _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
+
+
 def test_kept_units_from_config(tmp_path) -> None:
     last = Engine(None, _config(tmp_path, keep="none")).chain.num_units - 1
     for keep, expect in [("all", range(last)), ("none", ()), (2, range(last - 2, last)), (0, ()),
@@ -92,3 +104,28 @@ def test_kept_units_from_config(tmp_path) -> None:
 def test_bad_keep_graphs_is_a_clear_error(tmp_path, bad) -> None:
     with pytest.raises(ValueError, match="keep_graphs"):
         _config(tmp_path, keep=bad)
+
+
+def test_units_compute_on_one_long_lived_thread_and_errors_reach_the_caller(tmp_path) -> None:
+    import threading
+
+    from luwu_rt.engine import compute
+
+    engine = Engine(None, _config(tmp_path, keep="all", device_mem="64MiB"))
+    threads = set()
+    run = engine.compute._run
+
+    def recording(op, views):
+        threads.add(threading.get_ident())
+        run(op, views)
+
+    engine.compute._run = recording
+    for batch in _batches(engine.config)[:2]:
+        engine.train_step(batch)
+    assert len(threads) == 1 and threading.get_ident() not in threads  # the same thread, step after step
+    with pytest.raises(RuntimeError, match="boom"):
+        compute._COMPUTE_THREAD.call(_raise, RuntimeError("boom"))
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
