@@ -15,8 +15,12 @@ from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
+def _count_or_word(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
 # flag -> (config path, type). Flags default to None so that only the ones given override.
-_FLAGS: dict[str, tuple[tuple[str, ...], type]] = {
+_FLAGS: dict[str, tuple[tuple[str, ...], Any]] = {
     "model": (("model",), str), "steps": (("steps",), int), "batch_size": (("batch_size",), int),
     "seq_len": (("seq_len",), int), "grad_accum": (("grad_accum",), int), "dtype": (("dtype",), str),
     "seed": (("seed",), int), "trace": (("trace",), str), "json_log": (("json_log",), str),
@@ -27,7 +31,7 @@ _FLAGS: dict[str, tuple[tuple[str, ...], type]] = {
     "chunk_size": (("offload", "chunk_size"), str), "lr": (("optim", "lr"), float),
     "grad_clip": (("optim", "grad_clip"), float), "ckpt_dir": (("checkpoint", "dir"), str),
     "ckpt_every": (("checkpoint", "every"), int), "data": (("data", "path"), str),
-    "data_dtype": (("data", "token_dtype"), str),
+    "data_dtype": (("data", "token_dtype"), str), "keep_graphs": (("keep_graphs",), _count_or_word),
 }
 _HELP = {
     "model": "built-in preset (gpt-tiny ... gpt-175b; default gpt-tiny)", "steps": "optimizer steps (default 300)",
@@ -48,6 +52,7 @@ _HELP = {
     "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (default: only at the end)",
     "data": "text file, nanoGPT .bin or directory with train.bin/val.bin (default: embedded corpus)",
     "data_dtype": "token dtype of a .bin file: uint16 or uint32",
+    "keep_graphs": "units that keep their forward graph instead of recomputing: auto, all, none or N (default auto)",
 }
 
 
