@@ -47,7 +47,6 @@ class AlignedBuffer:
 # Tensors are passed as data pointers (tensor.data_ptr()); luwu_rt.kernels checks
 # them first. All functions release the GIL.
 
-import enum
 
 class OptimDType(enum.Enum):
     NONE = 0

@@ -40,7 +40,7 @@ from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, Span
 from luwu_rt.exec.executor import nvme_regions
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
-from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, estimate, plan_auto, validate
+from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, plan_auto, validate
 from luwu_rt.store import Arena, NvmeTier
 
 __all__ = ["Engine"]
@@ -274,7 +274,7 @@ class Engine:
                 for state in PERSISTENT:
                     dtype = self.param_dtype if state == "param" else torch.float32
                     writer.add(f"u{u}.{state}", self.executor.read_state(u, state, torch.empty(n, dtype=dtype)))
-            path = writer.commit({"config": _config_dict(self.config), "step": self.step,
+            path = writer.commit({"config": asdict(self.config), "step": self.step,
                                   "adam_step": self.adam_step, "model": self._signature()})
         keep = self.config.checkpoint.keep
         for old in list_checkpoints(directory)[:-keep]:
@@ -303,6 +303,3 @@ def _busy_by_queue(spans: list[Span]) -> dict[str, float]:
         busy[s.queue] = busy.get(s.queue, 0.0) + (s.end_s - s.start_s)
     return busy
 
-
-def _config_dict(config: TrainConfig) -> dict[str, Any]:
-    return asdict(config)
