@@ -67,12 +67,16 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def check_adam_hparams(*, step: int, lr: float, beta1: float, beta2: float, eps: float,
-                       weight_decay: float, grad_scale: float) -> None:
+def _check_step_lr(step: int, lr: float) -> None:
     if isinstance(step, bool) or int(step) != step or step < 1:
         raise ValueError(f"step must be an integer >= 1 (the count including this step), got {step!r}")
     if _finite("lr", lr) < 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
+
+
+def check_adam_hparams(*, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                       weight_decay: float, grad_scale: float) -> None:
+    _check_step_lr(step, lr)
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= _finite(name, beta) < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {beta}")
@@ -85,10 +89,7 @@ def check_adam_hparams(*, step: int, lr: float, beta1: float, beta2: float, eps:
 
 def check_sgd_hparams(*, step: int, lr: float, momentum: float, dampening: float, nesterov: bool,
                       weight_decay: float, grad_scale: float) -> None:
-    if isinstance(step, bool) or int(step) != step or step < 1:
-        raise ValueError(f"step must be an integer >= 1 (the count including this step), got {step!r}")
-    if _finite("lr", lr) < 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
+    _check_step_lr(step, lr)
     if _finite("momentum", momentum) < 0.0:
         raise ValueError(f"momentum must be >= 0, got {momentum}")
     _finite("dampening", dampening)
