@@ -111,10 +111,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from luwu_rt.exec import AdamWHandler, Executor, write_chrome_trace
-    from luwu_rt.exec.executor import nvme_regions
     from luwu_rt.io import IOEngine
     from luwu_rt.plan import Budgets, Placement, estimate, parse_size, plan_step, validate
-    from luwu_rt.store import Arena, NvmeTier
+    from luwu_rt.store import Arena, NvmeTier, TieredStore, nvme_regions
 
     num_params, unit_params = _parse_count(args.params), _parse_count(args.unit_params)
     chunk_bytes = parse_size(args.chunk_size)
@@ -139,14 +138,15 @@ def run(args: argparse.Namespace) -> int:
             arenas = {t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}
             handler = AdamWHandler(plan.shards, param_dtype=torch.bfloat16, grad_dtype=torch.float32)
 
-            ex = Executor(plan, arenas=arenas, nvme=nvme, handlers={"OptimStep": handler})
+            store = TieredStore(plan, arenas=arenas, nvme=nvme)
+            ex = Executor(plan, store=store, handlers={"OptimStep": handler})
             for u, unit in enumerate(model.units):
                 master = torch.linspace(-1, 1, unit.num_params)
-                ex.write_state(u, "master", master)
-                ex.write_state(u, "param", master.to(torch.bfloat16))
-                ex.write_state(u, "grad", torch.full((unit.num_params,), 1e-3 * (u + 1)))
+                store.write_state(u, "master", master)
+                store.write_state(u, "param", master.to(torch.bfloat16))
+                store.write_state(u, "grad", torch.full((unit.num_params,), 1e-3 * (u + 1)))
                 for state in ("exp_avg", "exp_avg_sq"):
-                    ex.write_state(u, state, torch.zeros(unit.num_params))
+                    store.write_state(u, state, torch.zeros(unit.num_params))
             times = []
             for step in range(1, args.steps + 1):
                 handler.step = step

@@ -1,44 +1,45 @@
-"""The ``Compute`` handler: one unit's forward or backward on its planned copies.
+"""The one step engine: each unit's forward and backward, as the plan's ``Compute`` ops run them.
 
-The plan hands each ``Compute`` op the device copies of the parameters it
-reads and of the gradients it writes, as flat byte views into the device
-arena. This handler points the unit's parameters at those bytes (no copy),
-runs the unit, and writes (or, for a gradient a previous op already started,
-adds) the parameter gradients into the gradient views. Everything about where
-those bytes live and when they move is the plan's.
+DESIGN.md, "The execution model"::
 
-[Note: gradient norm]
-When the last writer of a unit's gradients finishes (in the last micro-batch),
-the handler adds that unit's squared gradient norm to the step's total. The
-optimizer steps read the total only after the whole backward (the plan makes
-them wait when clipping or fp16 overflow checks are on), so it is complete.
+    F0 F1 ... F(L-2)         forward under no_grad, keeping each unit's input
+    B(L-1) ... B1 B0         recompute each unit with grad from its saved input,
+                             backward, hand the input-gradient to the previous unit
+
+``UnitCompute`` holds a step's per-micro-batch state (saved inputs, RNG states,
+kept graphs, the gradient flowing down) and computes one unit at a time:
+``forward(mb, k)`` and ``backward(mb, k)``. As the executor's ``Compute``
+handler (``__call__``) it points the unit's parameters at the plan's device
+copies, runs the unit and writes (or, for a gradient an earlier op started,
+adds) the parameter gradients into the plan's gradient copies. Training,
+evaluation (a forward-only plan) and ``unitwise_step`` (in memory, with hooks)
+all run through it.
+
+[Note: the last unit runs once]
+The last unit's forward output is needed only to compute the loss, so F(L-1)
+is fused into B(L-1): the last unit is computed once, with grad, and the loss
+comes out of that computation. A forward-only (evaluation) plan runs F(L-1)
+itself, and the loss comes out of that.
+
+[Note: keeping a unit's graph]
+Recomputation costs one extra forward per unit (about 1.1-1.3x a plain
+autograd step). A unit in ``UnitwiseConfig.keep_graph`` instead runs its
+forward with grad, and its backward differentiates that saved graph: no
+recomputation, at the price of holding the unit's activations from F to B.
 
 [Note: kept graphs in the engine]
-A unit in ``config.keep_graph`` runs its forward with grad and keeps the
-autograd graph until its backward instead of recomputing it ([Note: keeping a
-unit's graph] in unitwise.py). The graph's saved tensors include the unit's
-parameters (a fp32 ``linear`` saves its weight), and those are views of the
-device arena: between F(k) and B(k) the plan may free unit k's parameter slot
-and load another unit into the same bytes. Arena views have their own version
-counters (store/arena.py), so autograd would not notice and B(k) would compute
-with another unit's weights.
-
-So while a kept unit's forward runs, a ``saved_tensors_hooks`` pack hook
-copies every saved tensor that aliases the device arena, once, at pack time:
-the graph then owns its bytes and the arena is free to reuse the slot. Only
-what autograd actually saves is copied (under bf16 autocast the weights it
-saves are already casts, so nothing is), and only for the forwards whose
-parameter copies are at risk (``params_at_risk``): those whose backward reads
-another copy, or whose copy the plan frees, reloads or rewrites in between. A
-copy the plan keeps from F to B (a device home, or a budget roomy enough to
-keep the unit resident) is only released after B, so its bytes are intact.
-Binding kept units to handler-owned parameter copies would also be sound, but
-would copy every parameter, also those autograd never saves.
-
-The cost of kept graphs is memory: the units' activations (and any snapshots)
-live from F to B outside the arenas, which the plan does not see; hence
-``TrainConfig.keep_graphs="auto"`` keeps them on the CPU only, and
-``kept_bytes`` in the step metrics reports them.
+A kept graph's saved tensors include the unit's parameters (a fp32 ``linear``
+saves its weight), and those are views of the device arena: between F(k) and
+B(k) the plan may free unit k's parameter slot and load another unit into the
+same bytes. Arena views have their own version counters (store/arena.py), so
+autograd would not notice and B(k) would compute with another unit's weights.
+So while a kept unit's forward runs, a ``saved_tensors_hooks`` pack hook copies
+every saved tensor that aliases the device arena, once, at pack time: the
+graph then owns its bytes and the arena is free to reuse the slot. Only what
+autograd actually saves is copied (under bf16 autocast the weights it saves are
+already casts, so nothing is), and only for the forwards whose parameter copies
+are at risk (``plan.analysis.params_at_risk``). The cost of kept graphs is
+memory outside the arenas; ``kept_bytes`` in the step metrics reports it.
 
 [Note: one long-lived compute thread]
 The executor starts fresh threads for every step's queues. Units computed on a
@@ -46,47 +47,92 @@ thread that was just born run about 10% slower on the CPU (measured on
 gpt-small: a plain fwd+bwd on a new thread 1.32 s vs 1.25 s on a long-lived
 one): the math libraries' per-thread state (OpenMP team, scratch buffers,
 malloc arena) is rebuilt each time. So the handler hands every unit to one
-daemon thread that lives as long as the process. Compute ops run one at a time
-on the plan's compute queue anyway, so nothing is serialised that was not.
+daemon thread that lives as long as the process.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from luwu_rt.engine.unitwise import UnitwiseConfig, _as_unit_input, _autocast, _backward_unit, _differentiate, _RngState
 from luwu_rt.exec.executor import Views
 from luwu_rt.models.units import UnitChain, _swap_in
-from luwu_rt.plan.ops import Access, Compute, Free, Op, ShardId, SwapPlan
+from luwu_rt.plan.ops import Compute, ShardId
 
-__all__ = ["UnitCompute", "bind_unit_params", "params_at_risk"]
+__all__ = ["InputStore", "UnitCompute", "UnitwiseConfig", "bind_unit_params"]
 
-
-def params_at_risk(plan: SwapPlan) -> frozenset[tuple[int, int]]:
-    """``(micro_batch, unit)`` of the forwards whose device parameter copies may be overwritten before
-    the unit's backward: a graph they keep must copy what it saves ([Note: kept graphs in the engine])."""
-    ops = plan.ops
-    position = {(op.name[0], op.micro_batch, op.unit): i for i, op in enumerate(ops) if isinstance(op, Compute)}
-    risky = set()
-    for (phase, mb, unit), f in position.items():
-        if phase != "F":
-            continue
-        b = position.get(("B", mb, unit))
-        copies = {a for a in ops[f].inputs if a.shard.state == "param" and a.tier == "device"}
-        if b is None or not copies <= set(ops[b].inputs) or any(_touches(op, copies) for op in ops[f + 1 : b]):
-            risky.add((mb, unit))
-    return frozenset(risky)
+Grads = dict[int, list[torch.Tensor | None]]
+"""Parameter gradients by owning unit, aligned with ``chain.own_params(owner)``."""
 
 
-def _touches(op: Op, copies: set[Access]) -> bool:
-    """Whether ``op`` frees or writes one of ``copies`` (another shard can only take their bytes after a Free)."""
-    if isinstance(op, Free):
-        return Access(op.shard, op.tier, op.slot) in copies
-    return any(a in copies for a in op.outputs)
+@dataclass(kw_only=True, slots=True)
+class UnitwiseConfig:
+    """How units compute."""
+
+    autocast_dtype: torch.dtype | None = None
+    """Compute dtype under ``torch.autocast`` (``torch.bfloat16`` or ``torch.float16``); ``None`` runs in the
+    parameters' dtype."""
+    loss_scale: float = 1.0
+    """The loss is multiplied by this before backward (fp16 loss scaling, 1/grad_accum); gradients come out
+    scaled by it, the returned loss does not."""
+    preserve_rng: bool = True
+    """Replay each unit's RNG state in its recomputation, so dropout masks match the forward pass."""
+    keep_graph: frozenset[int] = frozenset()
+    """Units whose forward runs with grad and keeps its autograd graph (activations) until its backward,
+    instead of being recomputed ([Note: keeping a unit's graph]). Empty: recompute every unit, the least
+    memory."""
+
+    def __post_init__(self) -> None:
+        self.keep_graph = frozenset(self.keep_graph)
+        if any(not isinstance(i, int) or i < 0 for i in self.keep_graph):
+            raise ValueError(f"keep_graph must hold unit indices (non-negative ints), got {sorted(self.keep_graph)}")
+        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, not {self.autocast_dtype}")
+        if not (self.loss_scale > 0 and self.loss_scale < float("inf")):
+            raise ValueError(f"loss_scale must be a positive finite number, not {self.loss_scale}")
+
+
+class InputStore:
+    """Where a unit's forward input waits for its backward. The default keeps it as is; an engine
+    may move it elsewhere (``unitwise_step``'s ``UnitHooks`` are one)."""
+
+    def save_input(self, index: int, x: torch.Tensor) -> object:
+        return x
+
+    def load_input(self, index: int, handle: object) -> torch.Tensor:
+        assert isinstance(handle, torch.Tensor)
+        return handle
+
+
+class _RngState:
+    """The CPU (and, for a CUDA input, that device's) RNG state at a unit's forward."""
+
+    __slots__ = ("cpu", "cuda", "device")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the block with the saved state, then put the current RNG state back."""
+        with torch.random.fork_rng(devices=[self.device] if self.cuda is not None else []):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def _autocast(device: torch.device, config: UnitwiseConfig):
+    return torch.autocast(device_type=device.type, dtype=config.autocast_dtype or torch.bfloat16,
+                          enabled=config.autocast_dtype is not None)
 
 
 def bind_unit_params(chain: UnitChain, unit: int, flat: torch.Tensor) -> None:
@@ -141,14 +187,16 @@ _COMPUTE_THREAD = _LongLivedThread()
 
 
 class UnitCompute:
-    """Callable ``(op, views)`` for the executor's ``Compute`` ops of one training step."""
+    """Forward and backward of one unit at a time over a step's micro-batches; also the executor's
+    ``Compute`` handler."""
 
-    def __init__(self, chain: UnitChain, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 config: UnitwiseConfig, device_arena: torch.Tensor | None = None,
-                 at_risk: frozenset[tuple[int, int]] | None = None) -> None:
-        """``device_arena``: the buffer the parameter views come from. ``at_risk``: the ``(micro_batch, unit)``
-        forwards whose saved tensors aliasing the arena must be copied (``params_at_risk(plan)``); ``None``:
-        all of them ([Note: kept graphs in the engine])."""
+    def __init__(self, chain: UnitChain, *, config: UnitwiseConfig, param_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype | None = None, device_arena: torch.Tensor | None = None,
+                 at_risk: frozenset[tuple[int, int]] | None = None, inputs: InputStore | None = None) -> None:
+        """``param_dtype``/``grad_dtype``: element types of the plan's parameter and gradient copies (the
+        handler only). ``device_arena``: the buffer the parameter views come from. ``at_risk``: the
+        ``(micro_batch, unit)`` forwards whose saved tensors aliasing the arena must be copied
+        (``params_at_risk(plan)``); ``None``: all of them ([Note: kept graphs in the engine])."""
         if config.keep_graph and max(config.keep_graph) >= chain.num_units:
             raise ValueError(f"keep_graph names unit {max(config.keep_graph)}, but the chain has "
                              f"{chain.num_units} units")
@@ -156,17 +204,19 @@ class UnitCompute:
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.config = config
+        self.inputs = inputs or InputStore()
         self._arena_ptr = device_arena.untyped_storage().data_ptr() if device_arena is not None else None
         self._at_risk = at_risk
-        self.last_writer = {u: min((u, *chain.readers(u))) for u in range(chain.num_units)}
-        self._lock = threading.Lock()
         self.begin([])
 
-    def begin(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Resets per-step state for the micro-batches ``[(inputs, targets), ...]`` of the next step."""
+    def begin(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool = True) -> None:
+        """Resets per-step state for the micro-batches ``[(inputs, targets), ...]`` of the next step;
+        ``train=False`` for a forward-only (evaluation) pass: no graphs kept, the last unit's forward
+        computes the loss."""
         self.batches = batches
+        self.train = train
         self.ctx = [self.chain.context(inputs) for inputs, _ in batches]
-        self.saved: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+        self.saved: list[dict[int, object]] = [{} for _ in batches]
         self.graphs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in batches]
         self.kept_bytes = 0
         """Bytes held by kept graphs (activations and snapshots), summed over this step's micro-batches."""
@@ -177,30 +227,46 @@ class UnitCompute:
         self._counted: list[set[int]] = [set() for _ in batches]
         self.rng: list[dict[int, _RngState]] = [{} for _ in batches]
         self.carry: list[torch.Tensor | None] = [inputs for inputs, _ in batches]
-        self.losses: list[float] = []
+        self.losses: list[float] = [float("nan")] * len(batches)
         self.grad_norm_sq = 0.0
 
-    def _bind(self, op: Compute, views: Views) -> None:
-        for unit in (op.unit, *self.chain.reads(op.unit)):
-            bind_unit_params(self.chain, unit, views[ShardId(unit, "param", 0)].view(self.param_dtype))
+    # -- the plan's Compute handler -------------------------------------------------------------
 
     def __call__(self, op: Compute, views: Views) -> None:
         _COMPUTE_THREAD.call(self._run, op, views)  # [Note: one long-lived compute thread]
 
     def _run(self, op: Compute, views: Views) -> None:
-        self._bind(op, views)
+        for unit in (op.unit, *self.chain.reads(op.unit)):
+            bind_unit_params(self.chain, unit, views[ShardId(unit, "param", 0)].view(self.param_dtype))
         if op.name.startswith("F"):
-            self._forward(op)
-        else:
-            self._backward(op, views)
+            self.forward(op.micro_batch, op.unit)
+            return
+        grads = self.backward(op.micro_batch, op.unit)
+        written = {a.shard for a in op.inputs if a.shard.state == "grad"}
+        for unit in (op.unit, *self.chain.reads(op.unit)):
+            sid = ShardId(unit, "grad", 0)
+            flat = views[sid].view(self.grad_dtype)[: self.chain.num_unit_params(unit)]
+            _write_grads(self.chain, unit, flat, grads.get(unit), accumulate=sid in written)
+            if unit in op.final_units:
+                norm_sq = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
+                self.grad_norm_sq += norm_sq
 
-    def _forward(self, op: Compute) -> None:
-        mb, k = op.micro_batch, op.unit
+    # -- one unit -------------------------------------------------------------------------------
+
+    def forward(self, mb: int, k: int) -> None:
+        """F(k) of micro-batch ``mb``, the unit's parameters resident."""
         x = self.carry[mb]
+        if not self.train:
+            with torch.no_grad(), _autocast(x.device, self.config):
+                y = self.chain.run(k, x, self.ctx[mb])
+                if k == self.chain.num_units - 1:
+                    self.losses[mb] = float(self.chain.loss(y, self.batches[mb][1]))
+            self.carry[mb] = y
+            return
         if k in self.config.keep_graph:
             self._forward_kept(mb, k, x)
             return
-        self.saved[mb][k] = x
+        self.saved[mb][k] = self.inputs.save_input(k, x)
         if self.config.preserve_rng:
             self.rng[mb][k] = _RngState(x.device)
         with torch.no_grad(), _autocast(x.device, self.config):
@@ -235,50 +301,93 @@ class UnitCompute:
         self.graphs[mb][k] = (x_in, y)
         self.carry[mb] = y.detach()
 
-    def _backward(self, op: Compute, views: Views) -> None:
-        mb, k = op.micro_batch, op.unit
+    def backward(self, mb: int, k: int) -> Grads:
+        """B(k) of micro-batch ``mb`` (the last unit's forward included): returns the parameter gradients
+        by owning unit and leaves the gradient of the unit's input for B(k-1)."""
         if k in self.graphs[mb]:
             x_in, y = self.graphs[mb].pop(k)
             grads, self.carry[mb] = _differentiate(self.chain, k, x_in, y, self.carry[mb])
-            self._store_grads(op, views, mb, k, grads)
-            return
+            return grads
         last = self.chain.num_units - 1
-        if k == last:  # [Note: the last unit runs once] in unitwise.py
-            self.saved[mb][k] = self.carry[mb]
+        if k == last:  # [Note: the last unit runs once]
+            self.saved[mb][k] = self.inputs.save_input(k, self.carry[mb])
             if self.config.preserve_rng:
                 self.rng[mb][k] = _RngState(self.carry[mb].device)
-        x_in = self.saved[mb].pop(k)
+        x_in = self.inputs.load_input(k, self.saved[mb].pop(k))
         grads, self.carry[mb], loss = _backward_unit(
             self.chain, k, x_in, self.ctx[mb], self.batches[mb][1], self.carry[mb] if k != last else None,
             is_last=k == last, rng=self.rng[mb].pop(k, None), config=self.config)
         if loss is not None:
-            self.losses.append(loss)
-        self._store_grads(op, views, mb, k, grads)
+            self.losses[mb] = loss
+        return grads
 
-    def _store_grads(self, op: Compute, views: Views, mb: int, k: int,
-                     grads: dict[int, list[torch.Tensor | None]]) -> None:
-        written = {a.shard for a in op.inputs if a.shard.state == "grad"}
-        for unit in (k, *self.chain.reads(k)):
-            sid = ShardId(unit, "grad", 0)
-            flat = views[sid].view(self.grad_dtype)[: self.chain.num_unit_params(unit)]
-            self._write_grads(unit, flat, grads.get(unit), accumulate=sid in written)
-            if self.last_writer[unit] == k and mb == len(self.batches) - 1:
-                norm_sq = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2  # [Note: gradient norm]
-                with self._lock:
-                    self.grad_norm_sq += norm_sq
 
-    def _write_grads(self, unit: int, flat: torch.Tensor, grads: list[torch.Tensor | None] | None,
-                     *, accumulate: bool) -> None:
-        offset = 0
-        for slot, param in enumerate(self.chain.own_params(unit)):
-            n = param.numel()
-            dst = flat[offset : offset + n]
-            grad = grads[slot] if grads is not None else None
-            if grad is None:
-                if not accumulate:
-                    dst.zero_()
-            elif accumulate:
-                dst.add_(grad.reshape(-1))
-            else:
-                dst.copy_(grad.reshape(-1))
-            offset += n
+def _as_unit_input(x: torch.Tensor, index: int) -> torch.Tensor:
+    """A leaf copy of the previous unit's output that collects its gradient (none for unit 0's ids)."""
+    x = x.detach()
+    x.requires_grad_(index > 0 and x.is_floating_point())
+    return x
+
+
+def _backward_unit(chain: UnitChain, index: int, x_in: torch.Tensor, ctx: object, targets: torch.Tensor,
+                   grad_out: torch.Tensor | None, *, is_last: bool, rng: _RngState | None,
+                   config: UnitwiseConfig) -> tuple[Grads, torch.Tensor | None, float | None]:
+    """Recompute unit ``index`` with grad from its saved input and differentiate it. Returns the
+    parameter gradients by owning unit, the gradient for the previous unit's output, and (for the
+    last unit) the unscaled loss."""
+    if not is_last and grad_out is None:
+        return {}, None, None  # nothing downstream depends on this unit's output
+    x = _as_unit_input(x_in, index)
+    with rng.replay() if rng is not None else nullcontext(), torch.enable_grad(), _autocast(x.device, config):
+        y = chain.run(index, x, ctx)
+        loss = chain.loss(y, targets) if is_last else None
+    if loss is None:
+        return (*_differentiate(chain, index, x, y, grad_out), None)
+    grads, input_grad = _differentiate(chain, index, x, loss * config.loss_scale, None)
+    return grads, input_grad, float(loss.detach())
+
+
+def _differentiate(chain: UnitChain, index: int, x: torch.Tensor, root: torch.Tensor,
+                   root_grad: torch.Tensor | None) -> tuple[Grads, torch.Tensor | None]:
+    """Gradients of ``root`` (a unit's output, or the loss) by owning unit, and for the unit's input ``x``."""
+    if root_grad is None and root.dim() > 0:
+        return {}, None  # an intermediate unit whose output nothing downstream depends on
+    owners = (index, *chain.reads(index))
+    params = [(owner, slot, p) for owner in owners for slot, p in enumerate(chain.own_params(owner)) if p.requires_grad]
+    wrt = ([x] if x.requires_grad else []) + [p for _, _, p in params]
+    if not wrt or not root.requires_grad:
+        return {}, None
+    grads = torch.autograd.grad(root, wrt, grad_outputs=root_grad, allow_unused=True)
+    input_grad = grads[0] if x.requires_grad else None
+    by_owner: Grads = {o: [None] * len(chain.own_params(o)) for o in owners}
+    for (owner, slot, _), grad in zip(params, grads[len(wrt) - len(params):], strict=True):
+        by_owner[owner][slot] = grad
+    return by_owner, input_grad
+
+
+def _write_grads(chain: UnitChain, unit: int, flat: torch.Tensor, grads: list[torch.Tensor | None] | None,
+                 *, accumulate: bool) -> None:
+    offset = 0
+    for slot, param in enumerate(chain.own_params(unit)):
+        n = param.numel()
+        dst = flat[offset : offset + n]
+        grad = grads[slot] if grads is not None else None
+        if grad is None:
+            if not accumulate:
+                dst.zero_()
+        elif accumulate:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+        offset += n
+
+
+def accumulate_grads(pending: Grads, owner: int, grads: list[Any]) -> None:
+    """Adds ``grads`` (one unit's, aligned with its own params) into ``pending[owner]``."""
+    current = pending.get(owner)
+    if current is None:
+        pending[owner] = list(grads)
+        return
+    for slot, grad in enumerate(grads):
+        if grad is not None:
+            current[slot] = grad if current[slot] is None else current[slot] + grad

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +32,15 @@ from torch import nn
 
 from luwu_rt.config import from_mapping, merge
 from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_checkpoints
-from luwu_rt.engine.compute import UnitCompute, bind_unit_params, params_at_risk
+from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.engine.schedule import lr_at
-from luwu_rt.engine.unitwise import UnitHooks, UnitwiseConfig, unitwise_loss
 from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, Span
-from luwu_rt.exec.executor import nvme_regions
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
-from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, plan_auto, validate
-from luwu_rt.store import Arena, NvmeTier
+from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, plan_auto, plan_step, validate
+from luwu_rt.plan.analysis import params_at_risk
+from luwu_rt.store import TieredStore
 
 __all__ = ["Engine"]
 
@@ -54,19 +53,6 @@ def _as_chain(model: Any) -> UnitChain:
     if callable(model) and not isinstance(model, (nn.Module, UnitChain, str)):
         model = model()
     return as_unit_chain(model)
-
-
-class _HomeHooks(UnitHooks):
-    """Evaluation outside the plan: each unit reads its parameters from their home copies."""
-
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
-
-    def acquire(self, index: int, *, phase) -> None:
-        for unit in (index, *self.engine.chain.reads(index)):
-            n = self.engine.chain.num_unit_params(unit)
-            flat = self.engine.executor.read_state(unit, "param", torch.empty(n, dtype=self.engine.param_dtype))
-            bind_unit_params(self.engine.chain, unit, flat.to(self.engine.device))
 
 
 class Engine:
@@ -85,14 +71,16 @@ class Engine:
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
         self.model_spec = self._model_spec()
         self._plan()
+        device_arena = self.store.arenas.get("device")
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=self.param_dtype,
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum,
                                                          keep_graph=self._kept_units()),
-                                   device_arena=self.arenas["device"].buffer if "device" in self.arenas else None,
+                                   device_arena=device_arena.buffer if device_arena is not None else None,
                                    at_risk=params_at_risk(self.plan))
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
-        self.executor = Executor(self.plan, arenas=self.arenas, nvme=self.nvme,
+        self.executor = Executor(self.plan, store=self.store,
                                  handlers={"Compute": self.compute, "OptimStep": self._optim_step})
+        self.eval_executor = Executor(self.eval_plan, store=self.store, handlers={"Compute": self.compute})
         self.step = 0
         """Optimizer steps taken (the step number of the last completed ``train_step``)."""
         self.adam_step = 0
@@ -140,19 +128,13 @@ class Engine:
         result = plan_auto(self.model_spec, budgets=budgets, placement=placement, profile=HardwareProfile())
         validate(result.plan)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
-        self.arenas = {t: Arena(n, tier=t, device=self.device if t == "device" else None)
-                       for t, n in self.plan.arena_bytes.items()}
-        regions = nvme_regions(self.plan)
-        self.nvme = None
-        if regions:
-            from luwu_rt.io import IOEngine
-
-            self._io = IOEngine(backend=self.config.io_backend)
-            # The NVMe tier is scratch space: the checkpoint, not these files, survives a crash.
-            # Start from a clean tier so that a previous run's layout never blocks this one.
-            if nvme_root.exists():
-                shutil.rmtree(nvme_root)
-            self.nvme = NvmeTier(nvme_root, regions=regions, chunk_bytes=self.model_spec.chunk_bytes, engine=self._io)
+        # Evaluation runs a forward-only plan over the same store: the same layout, homes and reserve.
+        one_batch = self.model_spec.tokens_per_step // self.model_spec.num_micro_batches
+        self.eval_plan = plan_step(replace(self.model_spec, forward_only=True, num_micro_batches=1,
+                                           tokens_per_step=one_batch), budgets=budgets, placement=self.placement)
+        validate(self.eval_plan)
+        self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
+                                        io_backend=self.config.io_backend)
 
     def _materialize(self) -> None:
         """Initialises every unit from ``(seed, unit)`` straight into the store, one unit at a time."""
@@ -165,11 +147,10 @@ class Engine:
 
     def _write_unit(self, unit: int, states: dict[str, torch.Tensor]) -> None:
         for state, values in states.items():
-            self.executor.write_state(unit, state, values)
+            self.store.write_state(unit, state, values)
         if "param" not in states:
-            self.executor.write_state(unit, "param", states["master"].to(self.param_dtype))
-        if self.nvme is not None:
-            self.nvme.flush()
+            self.store.write_state(unit, "param", states["master"].to(self.param_dtype))
+        self.store.flush()
 
     # -- training -----------------------------------------------------------------------------
 
@@ -249,10 +230,11 @@ class Engine:
             val = BatchSampler(self.tokens.val, batch_size=c.batch_size, seq_len=c.seq_len, seed=c.seed + 1,
                                vocab_size=self._sampler.vocab_size)
             batches = [val.batch(i) for i in range(num_batches or c.eval_batches)]
-        hooks = _HomeHooks(self)
-        cfg = UnitwiseConfig()
-        losses = [unitwise_loss(self.chain, x.to(self.device), y.to(self.device), hooks=hooks, config=cfg)
-                  for x, y in batches]
+        losses = []
+        for x, y in batches:
+            self.compute.begin([(x.to(self.device), y.to(self.device))], train=False)
+            self.eval_executor.run()
+            losses += self.compute.losses
         return sum(losses) / len(losses)
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -273,7 +255,7 @@ class Engine:
                 n = self.chain.num_unit_params(u)
                 for state in PERSISTENT:
                     dtype = self.param_dtype if state == "param" else torch.float32
-                    writer.add(f"u{u}.{state}", self.executor.read_state(u, state, torch.empty(n, dtype=dtype)))
+                    writer.add(f"u{u}.{state}", self.store.read_state(u, state, torch.empty(n, dtype=dtype)))
             path = writer.commit({"config": asdict(self.config), "step": self.step,
                                   "adam_step": self.adam_step, "model": self._signature()})
         keep = self.config.checkpoint.keep

@@ -21,38 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from luwu_rt.exec.trace import Span
-from luwu_rt.io import aligned_empty
-from luwu_rt.plan.ops import Access, Free, Load, Op, ShardId, ShardInfo, Store, SwapPlan
-from luwu_rt.store import Arena, NvmeTier
+from luwu_rt.plan.ops import Free, Load, Op, ShardId, Store, SwapPlan
+from luwu_rt.store import TieredStore
 
-__all__ = ["Executor", "Handler", "Views", "element_offsets", "nvme_regions"]
+__all__ = ["Executor", "Handler", "Views"]
 
 Views = Mapping[ShardId, torch.Tensor]
 """The op's shard copies as flat uint8 tensors, keyed by shard; outputs override inputs."""
 Handler = Callable[[Op, Views], None]
-
-
-def element_offsets(shards: Mapping[ShardId, ShardInfo]) -> dict[ShardId, int]:
-    """First element of each shard within its unit's flat buffer of its state kind."""
-    out: dict[ShardId, int] = {}
-    pos: dict[tuple[int, str], int] = {}
-    for sid in sorted(shards, key=lambda s: (s.unit, s.state, s.chunk)):
-        key = (sid.unit, sid.state)
-        out[sid] = pos.get(key, 0)
-        pos[key] = out[sid] + shards[sid].numel
-    return out
-
-
-def nvme_regions(plan: SwapPlan) -> dict[tuple[int, str], int]:
-    """Bytes of every (unit, state) buffer that has a copy on NVMe at some point of the plan:
-    the regions an ``NvmeTier`` for this plan must hold."""
-    on_nvme = {s.state for s in plan.shards if plan.homes.get(s.state) == "nvme"}
-    on_nvme |= {a.shard.state for op in plan.ops for a in op.inputs + op.outputs if a.tier == "nvme"}
-    regions: dict[tuple[int, str], int] = {}
-    for sid, info in plan.shards.items():
-        if sid.state in on_nvme:
-            regions[(sid.unit, sid.state)] = regions.get((sid.unit, sid.state), 0) + info.nbytes
-    return regions
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,90 +42,33 @@ class Executor:
     ``Reduce``, ``Gather``, ``Push``, ``Pull``) to callables ``(op, views)``;
     ``Load``/``Store``/``Free`` are the executor's own."""
 
-    def __init__(
-        self,
-        plan: SwapPlan,
-        *,
-        arenas: Mapping[str, Arena],
-        nvme: NvmeTier | None,
-        handlers: Mapping[str, Handler],
-    ) -> None:
+    def __init__(self, plan: SwapPlan, *, store: TieredStore, handlers: Mapping[str, Handler]) -> None:
         missing = sorted({op.kind for op in plan.ops if not isinstance(op, (Load, Store, Free))} - set(handlers))
         if missing:
             raise ValueError(f"Executor: no handler for op kind(s) {missing}")
-        for tier, nbytes in plan.arena_bytes.items():
-            if tier not in arenas or arenas[tier].nbytes < nbytes:
-                raise ValueError(f"Executor: the plan needs a {tier} arena of {nbytes} bytes")
-        if nvme is None and "nvme" in plan.homes.values():
-            raise ValueError("Executor: the plan keeps state on NVMe but no NVMe tier was given")
+        store.check_plan(plan)
         self.plan = plan
-        self.arenas = arenas
-        self.nvme = nvme
+        self.store = store
         self.handlers = handlers
-        self.offsets = element_offsets(plan.shards)
-
-    # -- addressing ----------------------------------------------------------------------------
-
-    def view(self, access: Access) -> torch.Tensor:
-        """The bytes of one shard copy in an arena."""
-        nbytes = self.plan.shards[access.shard].nbytes
-        return self.arenas[access.tier].view(access.slot, nbytes)
-
-    def home_view(self, shard: ShardId) -> torch.Tensor:
-        """The home copy of a persistent shard kept in an arena (state before and after a step)."""
-        tier = self.plan.homes[shard.state]
-        return self.view(Access(shard, tier, self.plan.home_slots[shard]))
-
-    def _unit_shards(self, unit: int, state: str) -> list[ShardId]:
-        shards = [s for s in self.plan.shards if s.unit == unit and s.state == state]
-        if not shards:
-            raise KeyError(f"the plan has no {state!r} shards for unit {unit}")
-        return shards
-
-    def write_state(self, unit: int, state: str, values: torch.Tensor) -> None:
-        """Sets the home copy of a unit's whole flat buffer of a persistent state kind
-        (materialising a model, loading a checkpoint). Call ``nvme.flush()`` after the last."""
-        for sid in self._unit_shards(unit, state):
-            info, start = self.plan.shards[sid], self.offsets[sid]
-            if self.plan.homes[state] == "nvme":
-                staging = aligned_empty(info.nbytes)
-                staging.view(values.dtype)[: info.numel].copy_(values[start : start + info.numel])
-                self.nvme.wait(self.nvme.submit_write(unit, state, first_chunk=info.first_chunk, buffer=staging))
-            else:
-                self.home_view(sid).view(values.dtype)[: info.numel].copy_(values[start : start + info.numel])
-
-    def read_state(self, unit: int, state: str, out: torch.Tensor) -> torch.Tensor:
-        """Copies the home copy of a unit's flat buffer of ``state`` into ``out``; returns it."""
-        for sid in self._unit_shards(unit, state):
-            info, start = self.plan.shards[sid], self.offsets[sid]
-            if self.plan.homes[state] == "nvme":
-                staging = aligned_empty(info.nbytes)
-                self.nvme.wait(self.nvme.submit_read(unit, state, first_chunk=info.first_chunk, buffer=staging))
-            else:
-                staging = self.home_view(sid)
-            out[start : start + info.numel].copy_(staging.view(out.dtype)[: info.numel])
-        return out
 
     # -- ops -----------------------------------------------------------------------------------
 
     def _move(self, op: Load | Store) -> None:
         src, dst = op.inputs[0], op.outputs[0]
-        info = self.plan.shards[src.shard]
+        info, nvme, view = self.plan.shards[src.shard], self.store.nvme, self.store.view
         if src.tier == "nvme":
-            request = self.nvme.submit_read(src.shard.unit, src.shard.state, first_chunk=info.first_chunk, buffer=self.view(dst))
-            self.nvme.wait(request)
+            nvme.wait(nvme.submit_read(src.shard.unit, src.shard.state, first_chunk=info.first_chunk, buffer=view(dst)))
         elif dst.tier == "nvme":
-            request = self.nvme.submit_write(dst.shard.unit, dst.shard.state, first_chunk=info.first_chunk, buffer=self.view(src))
-            self.nvme.wait(request)
+            nvme.wait(nvme.submit_write(dst.shard.unit, dst.shard.state, first_chunk=info.first_chunk, buffer=view(src)))
         else:
-            self.view(dst).copy_(self.view(src))
+            view(dst).copy_(view(src))
 
     def _run_op(self, op: Op) -> None:
         if isinstance(op, (Load, Store)):
             self._move(op)
         elif not isinstance(op, Free):
-            views = {a.shard: self.view(a) for a in op.inputs if a.tier != "nvme"}
-            views.update({a.shard: self.view(a) for a in op.outputs if a.tier != "nvme"})
+            views = {a.shard: self.store.view(a) for a in op.inputs if a.tier != "nvme"}
+            views.update({a.shard: self.store.view(a) for a in op.outputs if a.tier != "nvme"})
             self.handlers[op.kind](op, views)
 
     # -- scheduling ----------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from .ops import (QUEUES, Access, Compute, Free, Gather, Load, Op, OptimStep, Pu
 from .planner import POLICIES, lower_bounds, plan_step
 from .search import DoesNotFit, PlanResult, plan_auto
 from .sizes import format_size, parse_size
-from .spec import (STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy,
-                   UnitSpec, gpt_model_spec)
+from .gpt import gpt_model_spec
+from .spec import STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy, UnitSpec
 from .validate import PlanError, validate
 
 __all__ = [

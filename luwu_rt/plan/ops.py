@@ -138,6 +138,9 @@ class Compute(Op):
     flops: int
     micro_batch: int = 0
     """Which micro-batch of the step (gradient accumulation); grads of later ones add up."""
+    final_units: tuple[int, ...] = ()
+    """Units whose gradients are final once this op ends ([Note: final gradients] in sequence.py):
+    set on the backward ops of the last micro-batch only."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -187,6 +190,8 @@ class SwapPlan:
     """Every shard the plan touches (per-rank sizes when the strategy shards a state)."""
     homes: Mapping[str, str]
     """State kind -> home tier. Persistent kinds start and end the step there."""
+    chunk_bytes: int
+    """Storage chunk size the shards are cut into (``ModelSpec.chunk_bytes``): the unit of IO."""
     budgets: Budgets
     arena_bytes: Mapping[str, int]
     """Arena capacity per tier with an arena (device: its budget less the reserve; host)."""

@@ -366,7 +366,7 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
         walk.finish()
     except _OutOfBudget as exc:
         raise ValueError(_budget_message(exc.tier, model, budgets, placement, strategy)) from None
-    return SwapPlan(ops=tuple(walk.ops), shards=layout, homes={s: placement.home(s) for s in _kinds(layout)},
+    return SwapPlan(ops=tuple(walk.ops), shards=layout, chunk_bytes=model.chunk_bytes, homes={s: placement.home(s) for s in _kinds(layout)},
                     budgets=budgets, arena_bytes={t: a.capacity_bytes for t, a in walk.arenas.items()},
                     device_reserve_bytes=reserve, strategy=strategy, policy=policy, home_slots=home_slots,
                     peak_bytes=walk.peak)

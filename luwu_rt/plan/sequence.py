@@ -30,12 +30,12 @@ beside the activations (``workspace_bytes``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from .ops import Compute, Gather, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
 from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
 
-__all__ = ["Need", "Step", "build_layout", "build_steps", "workspace_bytes", "full_bytes"]
+__all__ = ["Need", "Step", "build_layout", "build_steps", "final_points", "workspace_bytes", "full_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,23 @@ def build_layout(model: ModelSpec, strategy: Strategy) -> dict[ShardId, ShardInf
     return layout
 
 
+def final_points(reads: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """``final_points(reads)[k]``: the units whose gradients are final right after B(k), highest first,
+    for a chain whose unit ``i`` reads the parameters of units ``reads[i]``.
+
+    [Note: final gradients]
+    Backward runs from the last unit down, and a unit's gradients collect contributions from its
+    own backward and from the backward of every unit that reads it (a tied head reads the
+    embedding). So unit ``j`` is final after the lowest-numbered unit among ``j`` and its readers.
+    This is the one place that fact is derived: the step sequence below, the ``Compute`` ops'
+    ``final_units`` and ``unitwise_step``'s ``grads_final`` hook all read it from here."""
+    points: list[list[int]] = [[] for _ in reads]
+    for unit in reversed(range(len(reads))):
+        readers = [i for i, r in enumerate(reads) if unit in r]
+        points[min((unit, *readers))].append(unit)
+    return tuple(tuple(p) for p in points)
+
+
 def full_bytes(model: ModelSpec, unit: int, state: str) -> int:
     """Bytes of one unit's whole (unsharded) buffer of ``state``."""
     return align_up(model.units[unit].num_params * model.element_bytes(state))
@@ -126,7 +143,7 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
 
     tokens = model.tokens_per_step // model.num_micro_batches
 
-    def compute(phase: str, k: int, mb: int, grad_needs: tuple[Need, ...]) -> None:
+    def compute(phase: str, k: int, mb: int, grad_needs: tuple[Need, ...], final: tuple[int, ...] = ()) -> None:
         after: tuple[int, ...] = ()
         param_needs = needs(_reads(model, k), "param", "device", "r")
         if gathers:
@@ -135,7 +152,8 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
                                                   comm_bytes=_ring(comm, strategy.shard_ways)), param_needs))
             after, param_needs = (len(steps) - 1,), ()
         flops = model.units[k].flops_per_token * tokens * (1 if phase == "F" else 3)
-        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, micro_batch=mb, flops=flops),
+        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, micro_batch=mb, flops=flops,
+                                                   final_units=final),
                           param_needs + grad_needs, after))
 
     if model.optimizer_only:
@@ -144,8 +162,11 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
         for u in reversed(range(num_units)):
             _post_backward(model, strategy, placement, u, needs, numel, steps)
         return steps
-    # Backward runs k = L-1..0; a unit's grads are final after the lowest k that reads it.
-    last_writer = {u: min(k for k in range(num_units) if u in _reads(model, k)) for u in range(num_units)}
+    if model.forward_only:
+        for k in range(num_units):
+            compute("F", k, 0, ())
+        return steps
+    finals = final_points(tuple(u.reads for u in model.units))
     written: set[int] = set()  # units whose grads this step's backward already wrote (accumulate: rw)
     reduced: set[int] = set()  # units whose sharded grads a reduce-scatter already wrote
     deferred: list[int] = []
@@ -159,9 +180,10 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
             if not strategy.sharded("grad"):
                 grad_needs = tuple(n for u in _reads(model, k)
                                    for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
-            compute("B", k, mb, grad_needs)
+            last_mb = mb == model.num_micro_batches - 1
+            compute("B", k, mb, grad_needs, finals[k] if last_mb else ())
             backward = len(steps) - 1
-            for u in sorted((u for u, w in last_writer.items() if w == k), reverse=True):
+            for u in finals[k]:
                 if strategy.sharded("grad"):
                     # Sharded grads are reduce-scattered every micro-batch into this rank's slice.
                     mode = "rw" if u in reduced else "w"

@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = [
     "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "STRATEGIES", "ALIGN_BYTES",
-    "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy", "gpt_model_spec",
+    "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy",
 ]
 
 TIERS = ("device", "host", "nvme")
@@ -84,6 +84,10 @@ class ModelSpec:
     optimizer_only: bool = False
     """Plan only the optimizer steps, the gradients already at their home as after a backward
     pass: the out-of-core optimizer step on its own (``luwu bench offload-step``)."""
+    forward_only: bool = False
+    """Plan only the forward of every unit, the last one included (evaluation): no gradients, no
+    optimizer. With the same units, placement and budgets it lays out the store exactly as the
+    training plan does, so both run over one store."""
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -97,6 +101,8 @@ class ModelSpec:
         if self.num_micro_batches <= 0 or self.tokens_per_step % self.num_micro_batches:
             raise ValueError(f"ModelSpec.num_micro_batches={self.num_micro_batches} must be positive and divide "
                              f"tokens_per_step={self.tokens_per_step}")
+        if self.optimizer_only and self.forward_only:
+            raise ValueError("ModelSpec: optimizer_only and forward_only exclude each other")
         for i, unit in enumerate(self.units):
             bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i or unit.reads.count(r) > 1]
             if bad:
@@ -242,35 +248,6 @@ class Strategy:
         if self.name in ("zero1", "zero2"):
             return state in OPTIMIZER_KINDS or state == "grad"
         return self.name in ("zero3", "hsdp")
-
-
-def gpt_model_spec(shape: Any, *, batch_size: int = 1, seq_len: int = 0, num_micro_batches: int = 1,
-                   chunk_bytes: int = 64 * 2**20, max_shards_per_state: int = 4) -> ModelSpec:
-    """Units of a built-in GPT (``luwu_rt.models.presets.GPTShape``): embedding, blocks, head.
-
-    A tied head reads the embedding's parameters, so the embedding unit is accessed at F0,
-    F_head, B_head and B0. FLOPs follow Kaplan et al. (2020): 2 per parameter per token plus
-    2 x seq_len x d_model per block for attention. Activations follow Korthikanti et al.
-    (2022), bf16: each unit's saved input, one block's recompute workspace, fp32 logits.
-    ``batch_size`` is per micro-batch; a step runs ``num_micro_batches`` of them.
-    """
-    seq_len = seq_len or shape.max_seq_len
-    if batch_size <= 0 or not 0 < seq_len <= shape.max_seq_len:
-        raise ValueError(f"batch_size={batch_size} must be positive and seq_len={seq_len} in 1..{shape.max_seq_len}")
-    d, tokens = shape.d_model, batch_size * seq_len
-    head_matmul = shape.vocab_size * d
-    units = [UnitSpec(name="embedding", num_params=shape.embedding_params, flops_per_token=0)]
-    units += [UnitSpec(name=f"block{i}", num_params=shape.block_params,
-                       flops_per_token=2 * shape.block_params + 2 * seq_len * d) for i in range(shape.num_layers)]
-    units.append(UnitSpec(name="head", num_params=shape.head_params, reads=(0,) if shape.tie_embeddings else (),
-                          flops_per_token=2 * (shape.head_params + (head_matmul if shape.tie_embeddings else 0))))
-    saved_inputs = len(units) * tokens * d * 2
-    block_workspace = tokens * d * (34 + 5 * shape.num_heads * seq_len // d)
-    logits = 2 * tokens * shape.vocab_size * 4
-    return ModelSpec(units=tuple(units), tokens_per_step=tokens * num_micro_batches,
-                     num_micro_batches=num_micro_batches, chunk_bytes=chunk_bytes,
-                     max_shards_per_state=max_shards_per_state,
-                     activation_bytes=saved_inputs + block_workspace + logits)
 
 
 def ceil_div(a: int, b: int) -> int:

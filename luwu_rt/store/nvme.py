@@ -91,6 +91,11 @@ class NvmeTier:
         self._file_bytes = {self.directory / f"{state}.bin": end for state, end in ends.items()}
         return out
 
+    @property
+    def regions(self) -> dict[tuple[int, str], int]:
+        """Bytes of each ``(unit, state)`` region this tier holds."""
+        return {key: region.nbytes for key, region in self._regions.items()}
+
     def num_chunks(self, unit: int, state: str) -> int:
         return -(-self._regions[(unit, state)].nbytes // self.chunk_bytes)
 

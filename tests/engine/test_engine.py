@@ -77,7 +77,7 @@ def test_every_placement_matches_plain_pytorch(tmp_path, reference, placement) -
     ref_units = [ref_model.embed, *ref_model.blocks, ref_model.head]
     for u, module in enumerate(ref_units):
         expect = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-        got = engine.executor.read_state(u, "master", torch.empty(expect.numel()))
+        got = engine.store.read_state(u, "master", torch.empty(expect.numel()))
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=config_lr(engine) / 100)
 
 
@@ -138,8 +138,8 @@ def test_low_precision_compute_with_fp32_master(tmp_path, dtype) -> None:
     assert sum(m["loss"] for m in metrics[-5:]) < sum(m["loss"] for m in metrics[:5])
     # The compute copy is the master weights rounded to the compute dtype.
     n = engine.chain.num_unit_params(1)
-    master = engine.executor.read_state(1, "master", torch.empty(n))
-    param = engine.executor.read_state(1, "param", torch.empty(n, dtype=engine.param_dtype))
+    master = engine.store.read_state(1, "master", torch.empty(n))
+    param = engine.store.read_state(1, "param", torch.empty(n, dtype=engine.param_dtype))
     assert torch.equal(param, master.to(engine.param_dtype))
 
 
@@ -148,9 +148,32 @@ def test_fp16_overflow_skips_the_step(tmp_path, placement) -> None:
     config = _config(tmp_path, placement, dtype="fp16", loss_scale=1e30)
     engine = Engine(None, config)
     n = engine.chain.num_unit_params(1)
-    before = {s: engine.executor.read_state(1, s, torch.empty(n, dtype=torch.float16 if s == "param" else torch.float32))
+    before = {s: engine.store.read_state(1, s, torch.empty(n, dtype=torch.float16 if s == "param" else torch.float32))
               for s in ("master", "exp_avg", "param")}
     m = engine.train_step()
     assert m["skipped"] and not math.isfinite(m["grad_norm"]) and engine.adam_step == 0 and engine.step == 1
     for state, value in before.items():  # nothing changed, the compute copy included
-        assert torch.equal(engine.executor.read_state(1, state, torch.empty_like(value)), value), state
+        assert torch.equal(engine.store.read_state(1, state, torch.empty_like(value)), value), state
+
+
+@pytest.mark.parametrize("placement", [("nvme", "nvme", "nvme"), ("host", "host", "host"), ("device", "host", "host")],
+                         ids="-".join)
+def test_evaluate_runs_a_forward_plan_over_the_training_store(tmp_path, reference, placement) -> None:
+    from luwu_rt.engine.compute import bind_unit_params
+
+    batches, _, _ = reference
+    engine = Engine(None, _config(tmp_path, placement))
+    for batch in batches[:2]:
+        engine.train_step(batch)
+    plan = engine.eval_plan
+    assert plan.count("Compute") == engine.chain.num_units and plan.count("OptimStep") == 0
+    assert dict(plan.home_slots) == dict(engine.plan.home_slots)  # one store serves both plans
+    # The same weights in a plain model, read through the store's own API.
+    chain = build_gpt(engine.config.model, device="cpu")
+    for u in range(chain.num_units):
+        flat = engine.store.read_state(u, "param", torch.empty(chain.num_unit_params(u)))
+        bind_unit_params(chain, u, flat)
+    x, y = batches[5]
+    with torch.no_grad():
+        expect = float(chain.forward(x, y))
+    assert engine.evaluate([(x, y)]) == pytest.approx(expect, rel=1e-6)

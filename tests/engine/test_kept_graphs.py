@@ -7,7 +7,7 @@ import torch
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
-from luwu_rt.engine.compute import params_at_risk
+from luwu_rt.plan.analysis import params_at_risk
 from luwu_rt.plan.ops import Compute, Load
 
 STEPS = 4
@@ -52,8 +52,8 @@ def _assert_same_training(a: Engine, a_metrics, b: Engine, b_metrics) -> None:
     assert [m["loss"] for m in a_metrics] == pytest.approx([m["loss"] for m in b_metrics], rel=1e-6)
     for u in range(a.chain.num_units):
         n = a.chain.num_unit_params(u)
-        torch.testing.assert_close(a.executor.read_state(u, "master", torch.empty(n)),
-                                   b.executor.read_state(u, "master", torch.empty(n)), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.store.read_state(u, "master", torch.empty(n)),
+                                   b.store.read_state(u, "master", torch.empty(n)), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -79,7 +79,7 @@ def test_device_resident_params_need_no_snapshot(tmp_path) -> None:
     recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", params="device", device_mem="64MiB"))
     assert kept.compute.snapshot_bytes == 0
     # Activations only: the parameters the graphs save are the arena's own bytes.
-    assert all(0 < m["kept_bytes"] < kept.arenas["device"].nbytes / 4 for m in kept_metrics)
+    assert all(0 < m["kept_bytes"] < kept.store.arenas["device"].nbytes / 4 for m in kept_metrics)
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
 
 

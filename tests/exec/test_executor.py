@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from luwu_rt.exec import AdamWHandler, Executor, write_chrome_trace
-from luwu_rt.exec.executor import nvme_regions
 from luwu_rt.io import IOEngine
 from luwu_rt.kernels import adamw_step
 from luwu_rt.plan import Budgets, ModelSpec, Placement, UnitSpec, plan_step, validate
-from luwu_rt.store import Arena, NvmeTier
+from luwu_rt.store import Arena, NvmeTier, TieredStore, nvme_regions
 
 CHUNK = 2 * 4096
 SIZES = (5000, 3001, 7000)
@@ -43,16 +42,16 @@ def _setup(plan, tmp_path, engine):
         if op.name.startswith("B"):  # backward produces this unit's gradients
             for sid, view in views.items():
                 if sid.state == "grad":
-                    info, start = plan.shards[sid], ex.offsets[sid]
+                    info, start = plan.shards[sid], store.offsets[sid]
                     view.view(torch.float32)[: info.numel].copy_(_initial(sid.unit)["grad"][start : start + info.numel])
 
-    ex = Executor(plan, arenas=arenas, nvme=nvme, handlers={"Compute": compute, "OptimStep": handler})
+    store = TieredStore(plan, arenas=arenas, nvme=nvme)
+    ex = Executor(plan, store=store, handlers={"Compute": compute, "OptimStep": handler})
     for u in range(len(SIZES)):
         for state, values in _initial(u).items():
             if state != "grad":
-                ex.write_state(u, state, values)
-    if nvme is not None:
-        nvme.flush()
+                store.write_state(u, state, values)
+    store.flush()
     return ex
 
 
@@ -87,7 +86,7 @@ def test_out_of_core_step_equals_in_memory_bit_for_bit(tmp_path, placement, over
         for u in range(len(SIZES)):
             ref = _reference(u)
             for state in OPTIM + ("param",):
-                got = ex.read_state(u, state, torch.empty_like(ref[state]))
+                got = ex.store.read_state(u, state, torch.empty_like(ref[state]))
                 assert torch.equal(got, ref[state]), (u, state)
 
 
@@ -109,8 +108,8 @@ def test_failing_handler_is_raised_not_hung(tmp_path) -> None:
     def boom(op, views):
         raise RuntimeError(f"handler failed at {op.name}")
 
-    arenas = {t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}
-    ex = Executor(plan, arenas=arenas, nvme=None, handlers={"Compute": boom, "OptimStep": boom})
+    store = TieredStore(plan, arenas={t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}, nvme=None)
+    ex = Executor(plan, store=store, handlers={"Compute": boom, "OptimStep": boom})
     with pytest.raises(RuntimeError, match="handler failed at F0"):
         ex.run()
 
@@ -118,5 +117,5 @@ def test_failing_handler_is_raised_not_hung(tmp_path) -> None:
 def test_missing_handler_is_refused() -> None:
     plan = plan_step(_model(), budgets=Budgets(device_bytes=200_000, host_bytes=400_000), placement=PLACEMENTS[2])
     with pytest.raises(ValueError, match="OptimStep"):
-        Executor(plan, arenas={t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}, nvme=None,
-                 handlers={"Compute": lambda op, v: None})
+        store = TieredStore(plan, arenas={t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}, nvme=None)
+        Executor(plan, store=store, handlers={"Compute": lambda op, v: None})

@@ -326,3 +326,33 @@ def test_plan_package_is_pure():
             " or m == 'luwu_rt._C'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_final_points_is_the_one_derivation_of_final_gradients() -> None:
+    from luwu_rt.plan.sequence import final_points
+
+    # A tied head (unit 3 reads 0) makes the embedding final only after B0; unit 1 reading unit 2
+    # makes unit 2 final after B1.
+    assert final_points(((), (2,), (), (0,))) == ((0,), (2, 1), (), (3,))
+    model = gpt_model_spec(get_preset("gpt-tiny"), num_micro_batches=2)
+    plan = plan_step(model, budgets=Budgets(device_bytes=1 << 30, host_bytes=1 << 30),
+                     placement=Placement(params="device", optimizer="host", grads="host"))
+    finals = {op.name: op.final_units for op in plan.ops if isinstance(op, Compute) and op.micro_batch == 1}
+    last = len(model.units) - 1
+    assert finals["B0"] == (0,) and finals[f"B{last}"] == (last,) and finals["F0"] == ()
+    assert all(not op.final_units for op in plan.ops if isinstance(op, Compute) and op.micro_batch == 0)
+
+
+@pytest.mark.parametrize("params", ["device", "host", "nvme"])
+def test_forward_only_plan_reads_params_and_keeps_the_layout(params) -> None:
+    model = gpt_model_spec(get_preset("gpt-tiny"), chunk_bytes=64 * KiB)
+    budgets = Budgets(device_bytes=12 << 20, host_bytes=64 << 20)
+    placement = Placement(params=params, optimizer="host", grads="host")
+    train = plan_step(model, budgets=budgets, placement=placement)
+    evaluation = plan_step(dataclasses.replace(model, forward_only=True), budgets=budgets, placement=placement)
+    validate(evaluation)
+    names = [op.name for op in evaluation.ops if isinstance(op, Compute)]
+    assert names == [f"F{k}" for k in range(len(model.units))]
+    assert evaluation.count("OptimStep") == 0 and evaluation.count("Store") == 0  # nothing is written back
+    assert not any(a.shard.state == "grad" for op in evaluation.ops for a in op.inputs + op.outputs)
+    assert dict(evaluation.home_slots) == dict(train.home_slots) and evaluation.arena_bytes == train.arena_bytes

@@ -15,7 +15,7 @@ def plan_of(*ops, shards=(P,), homes=None, home_slots=None, device=8 * N, host=8
     homes = {"param": "host", "master": "nvme", **(homes or {})}
     if home_slots is None:
         home_slots = {s: (None if homes[s.state] == "nvme" else i * N) for i, s in enumerate(shards)}
-    return SwapPlan(ops=tuple(ops), shards={s: ShardInfo(N, N // 2, 0, 1) for s in shards}, homes=homes,
+    return SwapPlan(ops=tuple(ops), chunk_bytes=N, shards={s: ShardInfo(N, N // 2, 0, 1) for s in shards}, homes=homes,
                     budgets=Budgets(device_bytes=device, host_bytes=host),
                     arena_bytes={"device": 8 * N - reserve, "host": 8 * N}, device_reserve_bytes=reserve,
                     strategy=Strategy(), policy="belady", peak_bytes={}, home_slots=home_slots)

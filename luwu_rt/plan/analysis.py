@@ -1,0 +1,37 @@
+"""Facts read off a finished plan, for the engine and the reports: derived here, once.
+
+The engine must not re-derive schedule facts from op positions on its own
+(DESIGN.md, style 11); whatever it needs to know about a plan beyond running
+it comes from a function here.
+"""
+
+from __future__ import annotations
+
+from .ops import Access, Compute, Free, Op, SwapPlan
+
+__all__ = ["params_at_risk"]
+
+
+def params_at_risk(plan: SwapPlan) -> frozenset[tuple[int, int]]:
+    """``(micro_batch, unit)`` of the forwards whose device parameter copies may be overwritten before
+    the unit's backward: a graph kept from F to B must copy what it saves of them ([Note: kept graphs
+    in the engine] in engine/compute.py). A copy is safe when the backward reads the very same copies
+    and no op in between frees or rewrites them."""
+    ops = plan.ops
+    position = {(op.name[0], op.micro_batch, op.unit): i for i, op in enumerate(ops) if isinstance(op, Compute)}
+    risky = set()
+    for (phase, mb, unit), f in position.items():
+        if phase != "F":
+            continue
+        b = position.get(("B", mb, unit))
+        copies = {a for a in ops[f].inputs if a.tier == "device" and a.shard.state in ("param", "param_full")}
+        if b is None or not copies <= set(ops[b].inputs) or any(_touches(op, copies) for op in ops[f + 1 : b]):
+            risky.add((mb, unit))
+    return frozenset(risky)
+
+
+def _touches(op: Op, copies: set[Access]) -> bool:
+    """Whether ``op`` frees or writes one of ``copies`` (another shard can only take their bytes after a Free)."""
+    if isinstance(op, Free):
+        return Access(op.shard, op.tier, op.slot) in copies
+    return any(a in copies for a in op.outputs)

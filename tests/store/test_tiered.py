@@ -1,0 +1,52 @@
+"""The tiered store: whole-unit state at any home, and the check that a plan fits its layout."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from luwu_rt.io import IOEngine
+from luwu_rt.plan import Budgets, ModelSpec, Placement, UnitSpec, plan_step
+from luwu_rt.store import Arena, NvmeTier, TieredStore, nvme_regions
+
+CHUNK = 8192
+
+
+def _plan(params: str, optimizer: str, *, host: int = 400_000):
+    model = ModelSpec(units=(UnitSpec(name="a", num_params=5000), UnitSpec(name="b", num_params=9000)),
+                      param_bytes=2, grad_bytes=4, chunk_bytes=CHUNK, max_shards_per_state=2)
+    return plan_step(model, budgets=Budgets(device_bytes=1 << 20, host_bytes=host),
+                     placement=Placement(params=params, optimizer=optimizer, grads="host"))
+
+
+@pytest.mark.parametrize("params,optimizer", [("host", "nvme"), ("nvme", "host"), ("device", "device")])
+def test_write_then_read_every_state_at_its_home(tmp_path, params, optimizer) -> None:
+    plan = _plan(params, optimizer)
+    with IOEngine(block_bytes=4096) as io:
+        regions = nvme_regions(plan)
+        nvme = NvmeTier(tmp_path, regions=regions, chunk_bytes=CHUNK, engine=io) if regions else None
+        store = TieredStore(plan, arenas={t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}, nvme=nvme)
+        values = {}
+        for u, n in enumerate((5000, 9000)):
+            for state in ("master", "exp_avg", "exp_avg_sq"):
+                values[(u, state)] = torch.randn(n)
+                store.write_state(u, state, values[(u, state)])
+            values[(u, "param")] = torch.randn(n).to(torch.bfloat16)
+            store.write_state(u, "param", values[(u, "param")])
+        store.flush()
+        for (u, state), expect in values.items():
+            assert torch.equal(store.read_state(u, state, torch.empty_like(expect)), expect), (u, state)
+
+
+def test_a_plan_with_another_layout_is_refused() -> None:
+    plan = _plan("host", "host")
+    store = TieredStore(plan, arenas={t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}, nvme=None)
+    other = _plan("host", "host", host=800_000)
+    with pytest.raises(ValueError, match="arena"):
+        store.check_plan(other)
+    moved = dataclasses.replace(plan, homes={**plan.homes, "param": "device"})
+    with pytest.raises(ValueError, match="lays out"):
+        store.check_plan(moved)
+    on_nvme = _plan("host", "nvme")
+    with pytest.raises(ValueError, match="NVMe"):
+        TieredStore(on_nvme, arenas={t: Arena(n, tier=t) for t, n in on_nvme.arena_bytes.items()}, nvme=None)
