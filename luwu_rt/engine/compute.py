@@ -228,7 +228,6 @@ class UnitCompute:
         self.rng: list[dict[int, _RngState]] = [{} for _ in batches]
         self.carry: list[torch.Tensor | None] = [inputs for inputs, _ in batches]
         self.losses: list[float] = [float("nan")] * len(batches)
-        self.grad_norm_sq = 0.0
 
     # -- the plan's Compute handler -------------------------------------------------------------
 
@@ -247,9 +246,6 @@ class UnitCompute:
             sid = ShardId(unit, "grad", 0)
             flat = views[sid].view(self.grad_dtype)[: self.chain.num_unit_params(unit)]
             _write_grads(self.chain, unit, flat, grads.get(unit), accumulate=sid in written)
-            if unit in op.final_units:
-                norm_sq = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
-                self.grad_norm_sq += norm_sq
 
     # -- one unit -------------------------------------------------------------------------------
 

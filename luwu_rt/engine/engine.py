@@ -10,10 +10,12 @@ the budgets, and checked by the validator; every step repeats it.
 [Note: clipping]
 Global-norm clipping is exact: it waits for the norm. The gradient norm is only
 known after the whole backward, so with ``grad_clip > 0`` (and for fp16, whose
-overflow check needs the norm too) the plan holds every optimizer step until
-backward ends (``ModelSpec.optimizer_waits_for_backward``). Loads of optimizer
-state still overlap backward; the update itself does not. With clipping off,
-each unit's update overlaps the backward of the units below it.
+overflow check needs the norm too) every optimizer step of the plan reads the
+step's total norm, the output of its ``NormReduce``, which reads every unit's
+``GradNorm`` (``ModelSpec.optimizer_waits_for_backward``): the wait follows from
+the data. Loads of optimizer state still overlap backward; the update itself
+does not. With clipping off, each unit's update overlaps the backward of the
+units below it, and the norm is only reported.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_c
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.engine.schedule import lr_at
-from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, Span
+from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Span
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
 from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, plan_auto, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk
+from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
 from luwu_rt.store import TieredStore
 
 __all__ = ["Engine"]
@@ -78,8 +81,10 @@ class Engine:
                                    device_arena=device_arena.buffer if device_arena is not None else None,
                                    at_risk=params_at_risk(self.plan))
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
+        self.norms = NormHandlers(self.plan.shards, grad_dtype=self.param_dtype)
         self.executor = Executor(self.plan, store=self.store,
-                                 handlers={"Compute": self.compute, "OptimStep": self._optim_step})
+                                 handlers={"Compute": self.compute, "OptimStep": self._optim_step,
+                                           "GradNorm": self.norms.grad_norm, "NormReduce": self.norms.norm_reduce})
         self.eval_executor = Executor(self.eval_plan, store=self.store, handlers={"Compute": self.compute})
         self.step = 0
         """Optimizer steps taken (the step number of the last completed ``train_step``)."""
@@ -154,25 +159,27 @@ class Engine:
 
     # -- training -----------------------------------------------------------------------------
 
-    def _hyper(self) -> AdamWHyper:
+    def _hyper(self, norm: float | None) -> AdamWHyper:
+        """This step's hyper-parameters; ``norm`` is the step's gradient norm when the plan made the
+        update wait for it ([Note: clipping])."""
         o, c = self.config.optim, self.config
-        norm = self.grad_norm()
-        clip = min(1.0, o.grad_clip / (norm + 1e-6)) if o.grad_clip > 0 and math.isfinite(norm) else 1.0
+        clip = min(1.0, o.grad_clip / (norm + 1e-6)) if norm is not None and o.grad_clip > 0 and math.isfinite(norm) else 1.0
         lr = lr_at(self.step + 1, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=c.steps)
         return AdamWHyper(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
                           grad_scale=clip / self.loss_scale)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the last step's (unscaled) gradients."""
-        return math.sqrt(self.compute.grad_norm_sq) / self.loss_scale
+        return math.sqrt(self.norms.total_sq) / self.loss_scale
 
     def _optim_step(self, op, views) -> None:
         # OptimStep ops run one at a time on their queue; the first of a step sets the
         # hyper-parameters. The norm is complete here when it matters ([Note: clipping]).
         if self._skip is None:
-            waits = self.model_spec.optimizer_waits_for_backward
-            self._skip = waits and not math.isfinite(self.grad_norm())
-            self.optimizer.hyper = self._hyper()
+            total = views.get(ShardId(GLOBAL_UNIT, "norm", 0))
+            norm = math.sqrt(float(total.view(torch.float64)[0])) / self.loss_scale if total is not None else None
+            self._skip = norm is not None and not math.isfinite(norm)
+            self.optimizer.hyper = self._hyper(norm)
         self.optimizer(op, views, update=not self._skip)
 
     def sampler(self):

@@ -17,18 +17,37 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from luwu_rt.exec.trace import Span
-from luwu_rt.plan.ops import Free, Load, Op, ShardId, Store, SwapPlan
+from luwu_rt.plan.ops import Collective, Free, Load, Op, ShardId, Store, SwapPlan, Wait
 from luwu_rt.store import TieredStore
 
-__all__ = ["Executor", "Handler", "Views"]
+__all__ = ["DONE", "Executor", "Handle", "Handler", "Views"]
 
 Views = Mapping[ShardId, torch.Tensor]
 """The op's shard copies as flat uint8 tensors, keyed by shard; outputs override inputs."""
-Handler = Callable[[Op, Views], None]
+
+
+class Handle(Protocol):
+    """What a collective's handler returns: ``wait()`` completes the transfer (a ``torch.distributed``
+    ``Work`` is one). The executor calls it when it runs the collective's ``Wait`` op."""
+
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """The handle of a collective that completed inside its start (a local reduction)."""
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = _Done()
+Handler = Callable[[Op, Views], "Handle | None"]
+"""``(op, views)``: does the op's work; a collective's handler returns the ``Handle`` its ``Wait`` completes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +62,14 @@ class Executor:
     ``Load``/``Store``/``Free`` are the executor's own."""
 
     def __init__(self, plan: SwapPlan, *, store: TieredStore, handlers: Mapping[str, Handler]) -> None:
-        missing = sorted({op.kind for op in plan.ops if not isinstance(op, (Load, Store, Free))} - set(handlers))
+        missing = sorted({op.kind for op in plan.ops if not isinstance(op, (Load, Store, Free, Wait))} - set(handlers))
         if missing:
             raise ValueError(f"Executor: no handler for op kind(s) {missing}")
         store.check_plan(plan)
         self.plan = plan
         self.store = store
         self.handlers = handlers
+        self._handles: dict[int, Handle] = {}
 
     # -- ops -----------------------------------------------------------------------------------
 
@@ -63,13 +83,18 @@ class Executor:
         else:
             view(dst).copy_(view(src))
 
-    def _run_op(self, op: Op) -> None:
+    def _run_op(self, i: int, op: Op) -> None:
         if isinstance(op, (Load, Store)):
             self._move(op)
+        elif isinstance(op, Wait):
+            self._handles.pop(op.start).wait()
         elif not isinstance(op, Free):
             views = {a.shard: self.store.view(a) for a in op.inputs if a.tier != "nvme"}
             views.update({a.shard: self.store.view(a) for a in op.outputs if a.tier != "nvme"})
-            self.handlers[op.kind](op, views)
+            handle = self.handlers[op.kind](op, views)
+            if isinstance(op, Collective):
+                assert handle is not None, f"the {op.kind} handler returned no handle to wait for"
+                self._handles[i] = handle
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -82,7 +107,7 @@ class Executor:
         def timed(i: int) -> None:
             op = self.plan.ops[i]
             start = time.perf_counter()
-            self._run_op(op)
+            self._run_op(i, op)
             spans[i] = Span.of(op, start=start - origin, end=time.perf_counter() - origin)
 
         if not overlap:

@@ -21,6 +21,9 @@ from luwu_rt.plan.ops import OptimStep, ShardId, ShardInfo
 
 __all__ = ["AdamWHyper", "AdamWHandler"]
 
+_ROLES = {"grad_slice": "grad", "param_slice": "param"}
+"""zero1 updates from its reduce-scattered ``grad_slice``; zero1/2 write the updated ``param_slice``."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdamWHyper:
@@ -91,7 +94,9 @@ class AdamWHandler:
         assert self.step >= 1, "set handler.step before running the plan"
         unit_views: dict[str, list[tuple[ShardInfo, torch.Tensor]]] = {}
         for shard in sorted(views, key=lambda s: (s.state, s.chunk)):
-            unit_views.setdefault(shard.state, []).append((self.shards[shard], views[shard]))
+            role = _ROLES.get(shard.state, shard.state)
+            if role != "norm":  # the step's norm is read by whoever set ``hyper``
+                unit_views.setdefault(role, []).append((self.shards[shard], views[shard]))
         h = self.hyper
         for piece in self._pieces(unit_views):
             param = piece.get("param")

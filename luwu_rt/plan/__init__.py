@@ -19,8 +19,9 @@ no native code, so users can unit-test their own schedules against it.
 """
 
 from .cost import StepCost, estimate, op_seconds
-from .ops import (QUEUES, Access, Compute, Free, Gather, Load, Op, OptimStep, Pull, Push, Reduce, ShardId,
-                  ShardInfo, Store, SwapPlan, format_ops)
+from .ops import (COMM_QUEUES, GLOBAL_UNIT, QUEUES, WORKSPACE_KINDS, Access, Collective, Compute, Free, Gather,
+                  GradNorm, Load, NormReduce, Op, OptimStep, Pull, Push, Recv, Reduce, Serve, ShardId, ShardInfo, Store,
+                  SwapPlan, Wait, format_ops)
 from .planner import POLICIES, lower_bounds, plan_step
 from .search import DoesNotFit, PlanResult, plan_auto
 from .sizes import format_size, parse_size
@@ -29,6 +30,7 @@ from .spec import STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, Mode
 from .validate import PlanError, validate
 
 __all__ = [
+    "COMM_QUEUES", "Collective", "GLOBAL_UNIT", "GradNorm", "NormReduce", "Recv", "Serve", "WORKSPACE_KINDS", "Wait",
     "Access", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
     "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce",
     "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy", "SwapPlan", "TIERS",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from .ops import Compute, Free, Load, Op, OptimStep, Store, SwapPlan, _Collective
+from .ops import Collective, Compute, Free, GradNorm, Load, Op, OptimStep, Store, SwapPlan, Wait
 from .spec import TIERS, HardwareProfile
 
 __all__ = ["StepCost", "estimate", "op_seconds"]
@@ -49,9 +49,11 @@ def op_seconds(op: Op, profile: HardwareProfile) -> float:
     if isinstance(op, OptimStep):
         rate = profile.device_optim_params_per_s if op.tier == "device" else profile.host_optim_params_per_s
         return op.num_params / rate
-    if isinstance(op, _Collective):
+    if isinstance(op, Collective):
         return op.comm_bytes / (profile.net_gbps * _GB)
-    assert isinstance(op, Free), op
+    if isinstance(op, GradNorm):
+        return op.num_params / (profile.host_optim_params_per_s * 4)
+    assert isinstance(op, (Free, Wait)), op
     return 0.0
 
 

@@ -16,6 +16,29 @@ an allocation after the ``Free`` of whatever held those arena bytes before.
 always safe: dependencies point to earlier ops only, so it cannot deadlock.
 ``Free`` ops (queue ``mem``) take no time; an executor performs them inline.
 
+[Note: collectives as start and wait]
+Communication is two ops: a start (``Reduce``, ``Gather``, ``NormReduce``,
+``Push``, ``Pull``, ``Recv``, ``Serve``) and the ``Wait`` that completes it, on
+the same queue, listing the same accesses. The start reads its inputs and
+begins writing its outputs; between the two its inputs must not change and its
+outputs must not be read, so every consumer depends on the ``Wait``, and
+whatever runs on other queues in between overlaps the transfer. Each
+communication queue owns one process group (``SwapPlan.comm_groups``), created
+identically on every rank, and issues that group's collectives in plan order:
+every rank's plan lists them in the same sequence (``validate_ranks``), so the
+order in which ranks issue them never depends on timing.
+
+[Note: planned workspaces]
+Buffers that exist only for communication or for the norm are shards like any
+other, of the kinds in ``WORKSPACE_KINDS``, with arena slots, lifetimes and
+dependencies that the validator checks: ``param_full`` (a unit's parameters
+gathered in full, zero3/hsdp), ``grad_full`` (a unit's full gradient as backward
+writes it, before its reduce-scatter, zero2/3/hsdp), ``grad_slice`` (zero1:
+this rank's reduce-scattered part of the full gradients it keeps),
+``param_slice`` (zero1/2: this rank's updated part of the parameters, before
+the all-gather) and ``norm`` (the squared gradient norm of one unit, and of the
+whole step at unit ``GLOBAL_UNIT``).
+
 Data moves only between neighbouring tiers. ``Load`` moves toward the device
 (nvme -> host, host -> device), ``Store`` away from it; which one persists dirty
 data depends on the state's home tier, not on the op's name.
@@ -23,15 +46,16 @@ data depends on the state's home tier, not on the op's name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 from .spec import Budgets, Strategy
 
 __all__ = [
-    "ShardId", "ShardInfo", "Access", "Op", "Load", "Store", "Free", "Compute", "OptimStep",
-    "Reduce", "Gather", "Push", "Pull", "SwapPlan", "QUEUES", "format_ops",
+    "ShardId", "ShardInfo", "Access", "Op", "Load", "Store", "Free", "Compute", "OptimStep", "GradNorm",
+    "Collective", "Reduce", "Gather", "NormReduce", "Push", "Pull", "Recv", "Serve", "Wait", "SwapPlan",
+    "QUEUES", "COMM_QUEUES", "GLOBAL_UNIT", "WORKSPACE_KINDS", "format_ops",
 ]
 
 QUEUES = {
@@ -40,10 +64,21 @@ QUEUES = {
     "h2d": "host -> device copies",
     "d2h": "device -> host copies",
     "compute": "forward/backward kernels (and the optimizer when its state lives on the device)",
-    "optim": "host CPU optimizer, overlapping backward",
-    "comm": "collectives and optimizer-node traffic",
+    "optim": "host CPU optimizer and gradient norms, overlapping backward",
+    "gather": "parameter all-gathers: prefetched during forward and backward, never behind a reduction",
+    "reduce": "gradient all-reduces and reduce-scatters, and the global norm's all-reduce",
+    "reduce_cross": "hsdp: all-reduce of gradient slices across replica groups, beside the next reduce-scatter",
+    "push": "node: gradient pushes to the optimizer node (worker) / their aggregation (node)",
+    "pull": "node: parameter pulls from the optimizer node (worker) / serving them (node); never behind a push",
     "mem": "bookkeeping: frees take no time but order arena reuse",
 }
+COMM_QUEUES = ("gather", "reduce", "reduce_cross", "push", "pull")
+"""Queues that run collectives or node transfers: each owns one process group ([Note: collectives as
+start and wait])."""
+GLOBAL_UNIT = -1
+"""Unit index of step-wide buffers (the total gradient norm), which belong to no unit."""
+WORKSPACE_KINDS = ("param_full", "grad_full", "grad_slice", "param_slice", "norm")
+"""Transient shard kinds of communication and the norm ([Note: planned workspaces])."""
 
 
 class ShardId(NamedTuple):
@@ -153,32 +188,80 @@ class OptimStep(Op):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Collective(Op):
+class GradNorm(Op):
+    """Squared L2 norm of this rank's final gradients of one unit (its ``grad``, or ``grad_slice``
+    under zero1) into the unit's ``norm`` buffer, as float64."""
+
     unit: int
+    num_params: int
+    tier: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective(Op):
+    """The start of a collective or node transfer; a ``Wait`` completes it ([Note: collectives as
+    start and wait])."""
+
+    unit: int
+    """The unit whose buffers move (``GLOBAL_UNIT`` for the norm)."""
     collective: str
-    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``hierarchical`` or ``p2p``."""
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``send``, ``recv`` or ``local`` (no traffic)."""
+    group: str
+    """Ranks of the queue's process group: ``world``, ``shard`` (a hsdp sharding group), ``replica`` (ranks
+    holding the same slice in different hsdp groups), ``node`` (worker <-> optimizer node), ``workers``
+    (node side), ``nodes`` (node shards among themselves); empty for ``local``."""
+    group_size: int
+    """Processes in the group."""
     comm_bytes: int
-    """Bytes this rank sends (= receives) for it."""
+    """Bytes this process sends for it (received bytes for ``recv``); ring algorithms for collectives."""
+    accumulate: bool = False
+    """A reduce-scatter that adds its result to what the output holds (gradient accumulation):
+    it scatters into ``grad_slice`` and the wait adds that into ``grad``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Reduce(_Collective):
-    """Sum gradients across ranks (all-reduce or reduce-scatter)."""
+class Reduce(Collective):
+    """Sum gradients across ranks: all-reduce in place, or reduce-scatter a full buffer into this rank's
+    slice."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Gather(_Collective):
-    """All-gather parameters: before compute (zero3/hsdp) or after the sharded update (zero1/2)."""
+class Gather(Collective):
+    """All-gather parameters: the full unit before compute (zero3/hsdp), or the full compute copy after
+    the sharded update (zero1/2)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Push(_Collective):
-    """Send a unit's gradients to the optimizer node (strategy ``node``)."""
+class NormReduce(Collective):
+    """Sum every unit's ``norm`` into the step's total (``norm`` of ``GLOBAL_UNIT``), then across the ranks
+    that hold different gradient slices; exact clipping and the fp16 overflow check read the total."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Pull(_Collective):
-    """Receive a unit's updated parameters from the optimizer node."""
+class Push(Collective):
+    """Worker: send a unit's gradients to the optimizer node (strategy ``node``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pull(Collective):
+    """Worker: receive a unit's updated parameters from the optimizer node."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recv(Collective):
+    """Optimizer node: receive every worker's push of a unit and sum them into its fp32 gradient."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Serve(Collective):
+    """Optimizer node: send a unit's updated parameters to every worker."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Wait(Op):
+    """Completes the collective started by op ``start``: same queue, same accesses."""
+
+    start: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -203,13 +286,19 @@ class SwapPlan:
 
     peak_bytes: Mapping[str, int]
     """Most bytes in use on each tier at any point of the plan (device: reserve included)."""
+    comm_groups: Mapping[str, str] = field(default_factory=dict)
+    """Communication queue -> the ranks of the process group it owns (``Collective.group``): every queue
+    has a process group of its own, created identically on every rank, even where two span the same
+    ranks, so that collectives of different queues never wait for each other's order."""
+    role: str = "worker"
+    """``worker``: one training rank's step; ``node``: the optimizer node's step (``plan_node``)."""
     home_slots: Mapping[ShardId, int | None]
     """Arena slot of the home copy of each shard that exists before the first op (None on NVMe):
     every persistent shard, whose home copy stays there for the whole step and after it, and in
     an optimizer-only plan also the gradients."""
 
     def __post_init__(self) -> None:
-        for name in ("shards", "homes", "arena_bytes", "peak_bytes", "home_slots"):
+        for name in ("shards", "homes", "arena_bytes", "peak_bytes", "home_slots", "comm_groups"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     def count(self, kind: str) -> int:
@@ -223,15 +312,25 @@ def _access(acc: Access) -> str:
     return f"{shard.state}[{shard.unit}.{shard.chunk}]:{where}"
 
 
-def format_ops(plan: SwapPlan, *, start: int = 0, stop: int | None = None) -> str:
-    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads -> writes, deps."""
+def _label(op: Op) -> str:
+    if isinstance(op, Free):
+        return _access(Access(op.shard, op.tier, op.slot))
+    if isinstance(op, Wait):
+        return f"of {op.start}"
+    if isinstance(op, Collective):
+        return f"{op.collective} unit {op.unit}" + (f" over {op.group}/{op.group_size}" if op.group else "")
+    return getattr(op, "name", None) or (f"unit {op.unit}" if hasattr(op, "unit") else "")
+
+
+def format_ops(plan: SwapPlan, *, start: int = 0, stop: int | None = None,
+               times: Sequence[tuple[float, float]] | None = None) -> str:
+    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads -> writes, deps; with
+    ``times`` (per op ``(start_s, end_s)``, e.g. ``cost.op_times``) also when it runs."""
     lines = []
     for i, op in enumerate(plan.ops[start:stop], start):
-        label = getattr(op, "name", None) or (f"unit {op.unit}" if hasattr(op, "unit") else "")
-        if isinstance(op, Free):
-            label = _access(Access(op.shard, op.tier, op.slot))
         reads = " ".join(_access(a) for a in op.inputs)
         writes = " ".join(_access(a) for a in op.outputs)
         moves = f" {reads} -> {writes}" if reads or writes else ""
-        lines.append(f"{i:6d} {op.kind:<9} {op.queue:<10} {label}{moves}  after {list(op.deps)}")
+        when = f"{times[i][0] * 1e3:10.3f} {times[i][1] * 1e3:10.3f} " if times is not None else ""
+        lines.append(f"{i:6d} {when}{op.kind:<10} {op.queue:<12} {_label(op)}{moves}  after {list(op.deps)}")
     return "\n".join(lines)

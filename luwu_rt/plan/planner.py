@@ -42,8 +42,8 @@ import bisect
 from typing import Iterable
 
 from .arena import Arena
-from .ops import Access, Free, Load, Op, ShardId, ShardInfo, Store, SwapPlan
-from .sequence import Step, build_layout, build_steps, workspace_bytes
+from .ops import Access, Collective, Free, Load, Op, ShardId, ShardInfo, Store, SwapPlan, Wait
+from .sequence import Step, build_layout, build_steps, comm_groups, home_of
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
 
@@ -104,7 +104,7 @@ class _Walk:
         slots: dict[ShardId, int | None] = {}
         for shard in self.layout:
             if shard.state in self.initial_kinds:
-                tier = self.placement.home(shard.state)
+                tier = self._home(shard)
                 slot, _ = self._alloc(shard, tier, -1, frozenset())
                 self._add_copy(shard, tier, _Copy(version=0, slot=slot, ready=-1))
                 slots[shard] = slot
@@ -121,7 +121,7 @@ class _Walk:
         self.resident[tier][shard] = None
 
     def _home(self, shard: ShardId) -> str:
-        return self.placement.home(shard.state)
+        return home_of(shard.state, self.placement)
 
     def _is_clean(self, shard: ShardId, tier: str) -> bool:
         """Dropping this copy loses nothing: it is stale, or another tier holds the latest version."""
@@ -255,30 +255,47 @@ class _Walk:
                 deps |= wait
                 targets.append((need, copy))
                 outputs.append(Access(need.shard, need.tier, copy.slot))
-        idx = self._emit(step.op_type(deps=tuple(sorted(deps)), queue=step.queue, inputs=tuple(inputs),
-                                      outputs=tuple(outputs), **step.fields))
+        op = step.op_type(deps=tuple(sorted(deps)), queue=step.queue, inputs=tuple(inputs), outputs=tuple(outputs),
+                          **step.fields)
+        idx = self._record(op, targets, pos)
+        if isinstance(op, Collective):  # [Note: collectives as start and wait] in ops.py
+            idx = self._record(Wait(deps=(idx,), queue=op.queue, inputs=op.inputs, outputs=op.outputs, start=idx),
+                               targets, pos)
         self.step_op.append(idx)
-        for acc in inputs:
+        written = frozenset(pinned)  # one output's write-back must not evict another output
+        for need, _ in targets:
+            self._after_write(need.shard, need.tier, pos, written)
+        for shard in dict.fromkeys(n.shard for n in step.needs):  # need order: plans are deterministic
+            if self._dead(shard, pos):
+                for tier in list(self.copies[shard]):
+                    self.free_copy(shard, tier)
+
+    def _record(self, op: Op, targets: list, pos: int) -> int:
+        """Emits ``op``: it reads its inputs and makes each output copy in ``targets`` the latest version."""
+        idx = self._emit(op)
+        for acc in op.inputs:
             copy = self.copies[acc.shard][acc.tier]
             copy.readers.append(idx)
             copy.last_use = pos
         for need, copy in targets:
             self.latest[need.shard] += 1
             copy.version, copy.ready, copy.readers, copy.last_use = self.latest[need.shard], idx, [], pos
-        written = frozenset(pinned)  # one output's write-back must not evict another output
-        for need, _ in targets:
-            self._after_write(need.shard, need.tier, pos, written)
-        for shard in dict.fromkeys(n.shard for n in step.needs):  # need order: plans are deterministic
-            if shard.state not in PERSISTENT_KINDS and self._next_access(shard, pos) is None:
-                for tier in list(self.copies[shard]):  # dead gradient: nothing needs it any more
-                    self.free_copy(shard, tier)
+        return idx
+
+    def _dead(self, shard: ShardId, pos: int) -> bool:
+        """A transient shard (gradients, workspaces) whose value nothing reads any more: no later access,
+        or only one that overwrites it (a workspace gathered again for the next use)."""
+        if shard.state in PERSISTENT_KINDS:
+            return False
+        nxt = self._next_access(shard, pos)
+        return nxt is None or nxt[2] == "w"
 
     def _after_write(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> None:
         """Drop the now stale cache copies and write the new version back toward its home."""
         for stale in [t for t in self.copies[shard] if t != tier and t != self._home(shard)]:
             self.free_copy(shard, stale)  # stale cache copies only waste budget
         nxt = self._next_access(shard, pos)
-        if nxt is None and shard.state not in PERSISTENT_KINDS:
+        if self._dead(shard, pos):
             return
         if tier != self._home(shard) and not (nxt is not None and nxt[1] == tier and "w" in nxt[2]):
             self.write_back(shard, tier, pos, pinned)
@@ -309,19 +326,19 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     placement = effective_placement(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
-    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in model.initial_kinds and placement.home(s.state) == t)
+    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in model.initial_kinds and home_of(s.state, placement) == t)
             for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:
         for tier in TIERS:
             nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
-                         if not (n.shard.state in model.initial_kinds and placement.home(n.shard.state) == tier))
+                         if not (n.shard.state in model.initial_kinds and home_of(n.shard.state, placement) == tier))
             working[tier] = max(working[tier], nbytes)
     # Params and grads travel between the device and NVMe through a host staging copy.
     staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
     working["host"] = max([working["host"], *staged])
     bounds = {t: home[t] + working[t] for t in TIERS}
-    bounds["device"] += model.activation_bytes + workspace_bytes(model, strategy)
+    bounds["device"] += model.activation_bytes
     return bounds
 
 
@@ -351,10 +368,10 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
     if not placement.is_resolved:
         raise ValueError(f"plan_step needs a resolved placement, got {placement}; use plan_auto for 'auto'")
     placement = effective_placement(placement, strategy)
-    reserve = model.activation_bytes + workspace_bytes(model, strategy)
+    reserve = model.activation_bytes
     if reserve > budgets.device_bytes:
         raise ValueError(f"device budget {format_size(budgets.device_bytes)} is smaller than the "
-                         f"{format_size(reserve)} that activations and collective workspaces need; "
+                         f"{format_size(reserve)} that activations need; "
                          f"raise it or lower the batch size / sequence length")
     layout = build_layout(model, strategy)
     walk = _Walk(build_steps(model, strategy, placement, layout), layout, placement, budgets, reserve, policy,
@@ -366,7 +383,8 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
         walk.finish()
     except _OutOfBudget as exc:
         raise ValueError(_budget_message(exc.tier, model, budgets, placement, strategy)) from None
-    return SwapPlan(ops=tuple(walk.ops), shards=layout, chunk_bytes=model.chunk_bytes, homes={s: placement.home(s) for s in _kinds(layout)},
+    return SwapPlan(ops=tuple(walk.ops), shards=layout, chunk_bytes=model.chunk_bytes,
+                    homes={s: home_of(s, placement) for s in _kinds(layout)}, comm_groups=comm_groups(model, strategy),
                     budgets=budgets, arena_bytes={t: a.capacity_bytes for t, a in walk.arenas.items()},
                     device_reserve_bytes=reserve, strategy=strategy, policy=policy, home_slots=home_slots,
                     peak_bytes=walk.peak)

@@ -1,41 +1,51 @@
 """The access sequence of one training step, before any placement decision.
 
-``build_layout`` cuts every unit's state buffers into shards; ``build_steps``
-lists the logical ops of one step in order (F0..F(L-2), B(L-1)..B0 once per
-micro-batch — the last unit's forward is fused into its backward — and after the backward op that makes a unit's gradients final, its
-collective and its optimizer step) with the shard copies each one needs and on
-which tier. The planner turns this list into a ``SwapPlan`` by adding the moves
-and frees.
+``build_layout`` cuts every unit's buffers into shards; ``build_steps`` lists
+the logical ops of one step in order (F0..F(L-2), B(L-1)..B0 once per
+micro-batch - the last unit's forward is fused into its backward - and after
+the backward op that makes a unit's gradients final, its collectives, its
+gradient norm and its optimizer step) with the shard copies each one reads or
+writes and on which tier. The planner turns this list into a ``SwapPlan`` by
+adding the moves and frees, and each collective into a start and a wait.
 
 [Note: strategies as access sequences]
-Per rank, a strategy changes two things: which states are sharded (the rank
-holds ceil(numel / ways) elements of them) and which collectives run.
+Per rank, a strategy changes which states are sharded (the rank holds
+S = ceil(numel / ways) elements of them, ``Strategy.sharded``), which
+workspaces exist ([Note: planned workspaces] in ops.py) and which collectives
+run, each on the queue that owns its process group:
   local   -
-  ddp     Reduce (all-reduce) of each unit's grads, in place on the device.
-  zero1/2 grads and optimizer state sharded: backward writes full grads into a
-          device workspace, Reduce (reduce-scatter) leaves this rank's slice in
-          the store, OptimStep updates the slice, Gather (all-gather) rebuilds
-          the full parameters on the device. ZeRO-1 keeps full-size gradient
-          buffers, so its workspace holds all of them.
-  zero3   also parameters sharded: a Gather before each F and B assembles the
-          unit in a (double-buffered) workspace; OptimStep writes the slice.
-  hsdp    zero3 inside groups of G ranks; Reduce also all-reduces the slice
-          across the world_size / G groups.
-  node    no optimizer state on the worker: Push sends grads to the optimizer
-          node, Pull receives the updated parameters (after the node stepped).
-Workspaces are not planned shard by shard: they are reserved on the device
-beside the activations (``workspace_bytes``).
+  ddp     backward accumulates full grads; Reduce all-reduces them in place.
+  zero1   backward accumulates full grads (kept, as ZeRO-1 does); Reduce
+          reduce-scatters them into ``grad_slice``; the update writes
+          ``param_slice``; Gather all-gathers it into the full ``param``.
+  zero2   backward writes ``grad_full`` per micro-batch, reduce-scattered
+          into the sharded ``grad`` (accumulating through ``grad_slice``);
+          update and Gather as zero1.
+  zero3   also ``param`` sharded: a Gather before each F and B assembles
+          ``param_full``; the update writes the parameter slice itself.
+  hsdp    zero3 inside groups of G ranks; after the last micro-batch the
+          gradient slice is also all-reduced across the world / G replicas.
+  node    no optimizer state on the worker: Push sends the unit's grads to
+          the optimizer node, Pull receives its updated parameters.
+Full buffers that a reduce-scatter reads or an all-gather writes hold W x S
+elements (padded) in one shard, so that every rank's part is one slice of it.
+Every strategy but node computes each unit's squared gradient norm (GradNorm)
+and their sum (NormReduce, an all-reduce where gradients are sliced across
+ranks); exact clipping and fp16's overflow check make every update read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .ops import Compute, Gather, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
+from .ops import GLOBAL_UNIT, Compute, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
 from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
 
-__all__ = ["Need", "Step", "build_layout", "build_steps", "final_points", "workspace_bytes", "full_bytes"]
+__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points", "home_of"]
+
+NORM_BYTES = 8
+"""A squared norm is one float64."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,30 +68,6 @@ class Step:
     """Earlier steps that must finish first for a reason other than data (e.g. Pull after Push)."""
 
 
-def _states(strategy: Strategy) -> tuple[str, ...]:
-    return ("param", "grad") if strategy.name == "node" else STATE_KINDS
-
-
-def build_layout(model: ModelSpec, strategy: Strategy) -> dict[ShardId, ShardInfo]:
-    """Every shard of this rank, sized per the strategy and grouped into plan shards."""
-    layout: dict[ShardId, ShardInfo] = {}
-    ways = strategy.shard_ways
-    for u, unit in enumerate(model.units):
-        for state in _states(strategy):
-            elem = model.element_bytes(state)
-            numel = ceil_div(unit.num_params, ways) if strategy.sharded(state) else unit.num_params
-            total = align_up(numel * elem)
-            num_chunks = ceil_div(total, model.chunk_bytes)
-            per_shard = ceil_div(num_chunks, min(model.max_shards_per_state, num_chunks))
-            elems_per_chunk = model.chunk_bytes // elem
-            for i, first in enumerate(range(0, num_chunks, per_shard)):
-                count = min(per_shard, num_chunks - first)
-                nbytes = min(count * model.chunk_bytes, total - first * model.chunk_bytes)
-                shard_numel = min(count * elems_per_chunk, numel - first * elems_per_chunk)
-                layout[ShardId(u, state, i)] = ShardInfo(nbytes, max(shard_numel, 0), first, count)
-    return layout
-
-
 def final_points(reads: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     """``final_points(reads)[k]``: the units whose gradients are final right after B(k), highest first,
     for a chain whose unit ``i`` reads the parameters of units ``reads[i]``.
@@ -99,152 +85,272 @@ def final_points(reads: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...
     return tuple(tuple(p) for p in points)
 
 
-def full_bytes(model: ModelSpec, unit: int, state: str) -> int:
-    """Bytes of one unit's whole (unsharded) buffer of ``state``."""
-    return align_up(model.units[unit].num_params * model.element_bytes(state))
+def element_bytes(model: ModelSpec, state: str) -> int:
+    if state.startswith("param"):
+        return model.param_bytes
+    if state.startswith("grad"):
+        return model.grad_bytes
+    return NORM_BYTES if state == "norm" else 4
 
 
-def _reads(model: ModelSpec, k: int) -> tuple[int, ...]:
-    return (k,) + model.units[k].reads
+def home_of(state: str, placement: Placement) -> str:
+    """Home tier of any shard kind: the placement's for states; workspaces live where they are made
+    (communication buffers on the device, the updated slice and norms with the optimizer)."""
+    if state in STATE_KINDS:
+        return placement.home(state)
+    return "device" if state in ("param_full", "grad_full", "grad_slice") else placement.optim_tier
 
 
-def workspace_bytes(model: ModelSpec, strategy: Strategy) -> int:
-    """Device bytes outside the planned store that the strategy's collectives need."""
-    units = range(len(model.units))
-    grad_ws = max(full_bytes(model, u, "grad") for u in units)
-    tied = {r for u in units for r in model.units[u].reads}
-    # A tied unit's full gradient accumulates across several backward ops before its reduce.
-    grad_ws += sum(full_bytes(model, u, "grad") for u in tied)
-    unit_params = max(sum(full_bytes(model, r, "param") for r in _reads(model, k)) for k in units)
-    return {
-        "zero1": sum(full_bytes(model, u, "grad") for u in units),
-        "zero2": grad_ws,
-        "zero3": grad_ws + 2 * unit_params,
-        "hsdp": grad_ws + 2 * unit_params,
-    }.get(strategy.name, 0)
+def _workspaces(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    kinds = {"zero1": ("grad_slice", "param_slice"), "zero2": ("grad_full", "param_slice"),
+             "zero3": ("grad_full", "param_full"), "hsdp": ("grad_full", "param_full")}.get(strategy.name, ())
+    if strategy.sharded("grad") and model.num_micro_batches > 1:
+        kinds += ("grad_slice",)  # accumulating reduce-scatters land here first
+    return kinds
+
+
+def _tracks_norm(model: ModelSpec, strategy: Strategy) -> bool:
+    return strategy.name != "node" and not model.optimizer_only
+
+
+def _one_shard(state: str, strategy: Strategy) -> bool:
+    """Full buffers a reduce-scatter reads or an all-gather writes are one shard: every rank's part
+    of them is then one slice."""
+    return state in ("param_full", "grad_full") or (strategy.name in ("zero1", "zero2") and state == "param") \
+        or (strategy.name == "zero1" and state == "grad")
+
+
+def build_layout(model: ModelSpec, strategy: Strategy) -> dict[ShardId, ShardInfo]:
+    """Every shard of this rank, sized per the strategy and grouped into plan shards."""
+    layout: dict[ShardId, ShardInfo] = {}
+    ways = strategy.shard_ways
+    states = ("param", "grad") if strategy.name == "node" else STATE_KINDS
+    for u, unit in enumerate(model.units):
+        part = ceil_div(unit.num_params, ways)
+        for state in states + _workspaces(model, strategy):
+            elem = element_bytes(model, state)
+            sliced = strategy.sharded(state) or state in ("grad_slice", "param_slice")
+            numel = part if sliced else unit.num_params
+            total = align_up((part if sliced else part * ways) * elem)
+            max_shards = 1 if _one_shard(state, strategy) else model.max_shards_per_state
+            _cut(layout, ShardId(u, state, 0), numel=numel, total=total, elem=elem, chunk=model.chunk_bytes,
+                 max_shards=max_shards)
+        if _tracks_norm(model, strategy):
+            layout[ShardId(u, "norm", 0)] = ShardInfo(align_up(NORM_BYTES), 1, 0, 1)
+    if _tracks_norm(model, strategy):
+        layout[ShardId(GLOBAL_UNIT, "norm", 0)] = ShardInfo(align_up(NORM_BYTES), 1, 0, 1)
+    return layout
+
+
+def _cut(layout: dict, first: ShardId, *, numel: int, total: int, elem: int, chunk: int, max_shards: int) -> None:
+    """Plan shards of whole chunks covering one ``total``-byte buffer of ``numel`` elements."""
+    num_chunks = ceil_div(total, chunk)
+    per_shard = ceil_div(num_chunks, min(max_shards, num_chunks))
+    elems_per_chunk = chunk // elem
+    for i, start in enumerate(range(0, num_chunks, per_shard)):
+        count = min(per_shard, num_chunks - start)
+        nbytes = min(count * chunk, total - start * chunk)
+        shard_numel = min(count * elems_per_chunk, numel - start * elems_per_chunk)
+        layout[first._replace(chunk=i)] = ShardInfo(nbytes, max(shard_numel, 0), start, count)
+
+
+def comm_groups(model: ModelSpec, strategy: Strategy) -> dict[str, str]:
+    """The process group each communication queue of this strategy owns."""
+    if strategy.name == "node":
+        return {"push": "node", "pull": "node"}
+    groups = {"ddp": {"reduce": "world"}, "hsdp": {"gather": "shard", "reduce": "shard"}}.get(strategy.name)
+    if groups is None:
+        groups = {"gather": "world", "reduce": "world"} if strategy.name.startswith("zero") else {}
+    if strategy.name == "hsdp" and strategy.replicas > 1:
+        groups["reduce_cross"] = "replica"
+    return dict(groups)
+
+
+def _group_size(strategy: Strategy, group: str) -> int:
+    return {"world": strategy.world_size, "shard": strategy.shard_ways, "replica": strategy.replicas,
+            "node": 2}.get(group, 1)
+
+
+def _ring(num_bytes: int, ways: int, collective: str) -> int:
+    """Bytes each rank sends in a ring ``collective`` over ``ways`` ranks of a ``num_bytes`` buffer."""
+    sent = num_bytes * (ways - 1) // ways
+    return 2 * sent if collective == "all_reduce" else sent
+
+
+class _Sequence:
+    """Builds the step list of one plan; see [Note: strategies as access sequences]."""
+
+    def __init__(self, model: ModelSpec, strategy: Strategy, placement: Placement,
+                 layout: dict[ShardId, ShardInfo]) -> None:
+        self.model, self.strategy, self.placement, self.layout = model, strategy, placement, layout
+        self.groups = comm_groups(model, strategy)
+        self.shards_of: dict[tuple[int, str], list[ShardId]] = {}
+        for sid in layout:
+            self.shards_of.setdefault((sid.unit, sid.state), []).append(sid)
+        self.steps: list[Step] = []
+        self.optim_tier = placement.optim_tier
+        self.optim_queue = "compute" if self.optim_tier == "device" else "optim"
+        self.gkind = "grad_slice" if strategy.name == "zero1" else "grad"  # what the update reads
+        self.pkind = "param_slice" if strategy.name in ("zero1", "zero2") else "param"  # what it writes
+
+    def needs(self, units: Sequence[int], state: str, tier: str, mode: str) -> tuple[Need, ...]:
+        return tuple(Need(s, tier, mode) for u in units for s in self.shards_of[(u, state)])
+
+    def reads(self, k: int) -> tuple[int, ...]:
+        return (k,) + self.model.units[k].reads
+
+    def elements(self, u: int, state: str) -> int:
+        return sum(self.layout[s].numel for s in self.shards_of[(u, state)])
+
+    def add(self, op_type: type, queue: str, fields: dict, needs: tuple[Need, ...], after: tuple[int, ...] = ()) -> int:
+        self.steps.append(Step(op_type, queue, fields, needs, after))
+        return len(self.steps) - 1
+
+    def collective(self, op_type: type, queue: str, unit: int, collective: str, nbytes: int,
+                   needs: tuple[Need, ...], *, after: tuple[int, ...] = (), accumulate: bool = False) -> int:
+        """A collective of ``nbytes`` (the whole buffer) on ``queue``'s group; ``local`` runs on the
+        optimizer's queue and moves nothing."""
+        group = "" if collective == "local" else self.groups[queue]
+        size = 1 if collective == "local" else _group_size(self.strategy, group)
+        comm = nbytes if collective in ("send", "recv") else _ring(nbytes, size, collective)
+        fields = dict(unit=unit, collective=collective, group=group, group_size=size, comm_bytes=comm,
+                      accumulate=accumulate)
+        return self.add(op_type, self.optim_queue if collective == "local" else queue, fields, needs, after)
+
+    def full_bytes(self, u: int, state: str) -> int:
+        """Bytes of unit ``u``'s whole buffer of ``state`` as collectives move it (W x S elements)."""
+        ways = self.strategy.shard_ways
+        return ceil_div(self.model.units[u].num_params, ways) * ways * element_bytes(self.model, state)
+
+    # -- forward and backward ------------------------------------------------------------------
+
+    def compute(self, phase: str, k: int, mb: int, grad_needs: tuple[Need, ...], final: tuple[int, ...] = ()) -> None:
+        """F(k) or B(k); under zero3/hsdp each unit it reads is gathered first."""
+        param_needs: tuple[Need, ...] = ()
+        for r in self.reads(k):
+            if self.strategy.sharded("param"):
+                self.collective(Gather, "gather", r, "all_gather", self.full_bytes(r, "param"),
+                                self.needs((r,), "param", "device", "r") + self.needs((r,), "param_full", "device", "w"))
+                param_needs += self.needs((r,), "param_full", "device", "r")
+            else:
+                param_needs += self.needs((r,), "param", "device", "r")
+        tokens = self.model.tokens_per_step // self.model.num_micro_batches
+        flops = self.model.units[k].flops_per_token * tokens * (1 if phase == "F" else 3)
+        self.add(Compute, "compute", dict(name=f"{phase}{k}", unit=k, micro_batch=mb, flops=flops, final_units=final),
+                 param_needs + grad_needs)
+
+    def backward_pass(self, mb: int, finals: tuple[tuple[int, ...], ...], written: set[int],
+                      on_final: Callable[[int], None]) -> None:
+        """B(L-1)..B0 of micro-batch ``mb``, calling ``on_final(u)`` in the last micro-batch as soon as unit
+        ``u``'s gradients are final. ``written``: units whose accumulating gradient buffer already holds
+        this step's values."""
+        sharded = self.strategy.sharded("grad")
+        kind = "grad_full" if sharded else "grad"
+        if sharded:
+            written = set()  # a full workspace lives for one micro-batch
+        last_mb = mb == self.model.num_micro_batches - 1
+        for k in reversed(range(len(self.model.units))):
+            grad_needs = tuple(n for u in self.reads(k)
+                               for n in self.needs((u,), kind, "device", "rw" if u in written else "w"))
+            self.compute("B", k, mb, grad_needs, finals[k] if last_mb else ())
+            written.update(self.reads(k))
+            for u in finals[k]:
+                if sharded:
+                    self.reduce_scatter(u, first=mb == 0)
+                if last_mb:
+                    on_final(u)
+
+    def reduce_scatter(self, u: int, *, first: bool) -> None:
+        """This micro-batch's full gradient of ``u`` into this rank's slice: written by the first
+        micro-batch, added to by the others (through ``grad_slice``)."""
+        needs = self.needs((u,), "grad_full", "device", "r")
+        if first:
+            needs += self.needs((u,), "grad", "device", "w")
+        else:
+            needs += self.needs((u,), "grad_slice", "device", "w") + self.needs((u,), "grad", "device", "rw")
+        self.collective(Reduce, "reduce", u, "reduce_scatter", self.full_bytes(u, "grad"), needs, accumulate=not first)
+
+    # -- after a unit's gradients are final -------------------------------------------------
+
+    def post_backward(self, u: int) -> None:
+        """Collectives and the gradient norm of unit ``u`` once its gradients are final."""
+        name = self.strategy.name
+        if name == "node":
+            push = self.collective(Push, "push", u, "send", self.full_bytes(u, "grad"),
+                                   self.needs((u,), "grad", "host", "r"))
+            self.collective(Pull, "pull", u, "recv", self.full_bytes(u, "param"),
+                            self.needs((u,), "param", "host", "w"), after=(push,))
+            return
+        if name == "ddp":
+            self.collective(Reduce, "reduce", u, "all_reduce", self.full_bytes(u, "grad"),
+                            self.needs((u,), "grad", "device", "rw"))
+        elif name == "zero1":
+            self.collective(Reduce, "reduce", u, "reduce_scatter", self.full_bytes(u, "grad"),
+                            self.needs((u,), "grad", "device", "r") + self.needs((u,), "grad_slice", "device", "w"))
+        elif name == "hsdp" and "reduce_cross" in self.groups:
+            self.collective(Reduce, "reduce_cross", u, "all_reduce", self.elements(u, "grad") * self.model.grad_bytes,
+                            self.needs((u,), "grad", "device", "rw"))
+        if _tracks_norm(self.model, self.strategy):
+            self.add(GradNorm, self.optim_queue, dict(unit=u, num_params=self.elements(u, self.gkind), tier=self.optim_tier),
+                     self.needs((u,), self.gkind, self.optim_tier, "r") + self.needs((u,), "norm", self.optim_tier, "w"))
+
+    def optimizer(self, u: int) -> None:
+        """The update of this rank's part of unit ``u``; zero1/2 then gather the full parameters."""
+        tier, waits = self.optim_tier, self.model.optimizer_waits_for_backward
+        needs = self.needs((u,), self.gkind, tier, "r")
+        needs += tuple(n for s in OPTIMIZER_KINDS for n in self.needs((u,), s, tier, "rw"))
+        needs += self.needs((u,), self.pkind, tier, "w")
+        if waits and _tracks_norm(self.model, self.strategy):
+            needs += self.needs((GLOBAL_UNIT,), "norm", tier, "r")  # [Note: clipping] in engine.py
+        self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.elements(u, "master"), tier=tier), needs)
+        if self.pkind == "param_slice":
+            self.collective(Gather, "gather", u, "all_gather", self.full_bytes(u, "param"),
+                            self.needs((u,), "param_slice", "device", "r") + self.needs((u,), "param", "device", "w"))
+
+    def norm_reduce(self) -> None:
+        """The step's squared gradient norm from every unit's; summed across ranks where they hold
+        different slices of the gradients."""
+        units = range(len(self.model.units))
+        sliced = self.strategy.sharded("grad") or self.strategy.name == "zero1"
+        needs = self.needs(units, "norm", self.optim_tier, "r") + self.needs((GLOBAL_UNIT,), "norm", self.optim_tier, "w")
+        self.collective(NormReduce, "reduce", GLOBAL_UNIT, "all_reduce" if sliced else "local", NORM_BYTES, needs)
 
 
 def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
                 layout: dict[ShardId, ShardInfo]) -> list[Step]:
     """The logical ops of one step, in the order the plan lists them."""
-    shards_of: dict[tuple[int, str], list[ShardId]] = {}
-    for sid in layout:
-        shards_of.setdefault((sid.unit, sid.state), []).append(sid)
-
-    def needs(units: tuple[int, ...], state: str, tier: str, mode: str) -> tuple[Need, ...]:
-        return tuple(Need(s, tier, mode) for u in units for s in shards_of[(u, state)])
-
-    def numel(u: int, state: str) -> int:
-        return sum(layout[s].numel for s in shards_of[(u, state)])
-
+    seq = _Sequence(model, strategy, placement, layout)
     num_units = len(model.units)
-    gathers = strategy.name in ("zero3", "hsdp")
-    steps: list[Step] = []
-
-    tokens = model.tokens_per_step // model.num_micro_batches
-
-    def compute(phase: str, k: int, mb: int, grad_needs: tuple[Need, ...], final: tuple[int, ...] = ()) -> None:
-        after: tuple[int, ...] = ()
-        param_needs = needs(_reads(model, k), "param", "device", "r")
-        if gathers:
-            comm = sum(full_bytes(model, r, "param") for r in _reads(model, k))
-            steps.append(Step(Gather, "comm", dict(unit=k, collective="all_gather",
-                                                  comm_bytes=_ring(comm, strategy.shard_ways)), param_needs))
-            after, param_needs = (len(steps) - 1,), ()
-        flops = model.units[k].flops_per_token * tokens * (1 if phase == "F" else 3)
-        steps.append(Step(Compute, "compute", dict(name=f"{phase}{k}", unit=k, micro_batch=mb, flops=flops,
-                                                   final_units=final),
-                          param_needs + grad_needs, after))
-
     if model.optimizer_only:
         if strategy.name != "local":
             raise ValueError(f"an optimizer-only plan runs one process (strategy local), not {strategy.name}")
         for u in reversed(range(num_units)):
-            _post_backward(model, strategy, placement, u, needs, numel, steps)
-        return steps
+            seq.optimizer(u)
+        return seq.steps
     if model.forward_only:
         for k in range(num_units):
-            compute("F", k, 0, ())
-        return steps
+            seq.compute("F", k, 0, ())
+        return seq.steps
     finals = final_points(tuple(u.reads for u in model.units))
-    written: set[int] = set()  # units whose grads this step's backward already wrote (accumulate: rw)
-    reduced: set[int] = set()  # units whose sharded grads a reduce-scatter already wrote
+    written: set[int] = set()
     deferred: list[int] = []
+
+    def on_final(u: int) -> None:
+        seq.post_backward(u)
+        if model.optimizer_waits_for_backward:
+            deferred.append(u)
+        elif strategy.name != "node":
+            seq.optimizer(u)
+
     for mb in range(model.num_micro_batches):
         # The last unit's forward is fused into its backward: its output only feeds the loss,
-        # which B(L-1) computes anyway (engine/unitwise.py, [Note: the last unit runs once]).
+        # which B(L-1) computes anyway ([Note: the last unit runs once] in engine/compute.py).
         for k in range(num_units - 1):
-            compute("F", k, mb, ())
-        for k in reversed(range(num_units)):
-            grad_needs: tuple[Need, ...] = ()
-            if not strategy.sharded("grad"):
-                grad_needs = tuple(n for u in _reads(model, k)
-                                   for n in needs((u,), "grad", "device", "rw" if u in written else "w"))
-            last_mb = mb == model.num_micro_batches - 1
-            compute("B", k, mb, grad_needs, finals[k] if last_mb else ())
-            backward = len(steps) - 1
-            for u in finals[k]:
-                if strategy.sharded("grad"):
-                    # Sharded grads are reduce-scattered every micro-batch into this rank's slice.
-                    mode = "rw" if u in reduced else "w"
-                    _reduce_scatter(model, strategy, u, needs((u,), "grad", "device", mode), backward, steps)
-                    reduced.add(u)
-                if mb < model.num_micro_batches - 1:
-                    continue
-                if model.optimizer_waits_for_backward:
-                    deferred.append(u)
-                else:
-                    _post_backward(model, strategy, placement, u, needs, numel, steps)
-            written.update(_reads(model, k))
-    end_of_backward = len(steps) - 1
+            seq.compute("F", k, mb, ())
+        seq.backward_pass(mb, finals, written, on_final)
+    if _tracks_norm(model, strategy):
+        seq.norm_reduce()
     for u in deferred:
-        first = len(steps)
-        _post_backward(model, strategy, placement, u, needs, numel, steps)
-        steps[first:] = [replace(s, after=s.after + (end_of_backward,)) if s.op_type is OptimStep else s
-                         for s in steps[first:]]
-    return steps
-
-
-def _ring(num_bytes: int, ways: int) -> int:
-    """Bytes each rank sends in a ring all-gather / reduce-scatter of ``num_bytes``."""
-    return num_bytes * (ways - 1) // ways
-
-
-def _reduce_scatter(model: ModelSpec, strategy: Strategy, u: int, grad_needs: tuple[Need, ...], backward: int,
-                    steps: list[Step]) -> None:
-    """Reduce unit ``u``'s full grads (in the device workspace, written by step ``backward``) into
-    this rank's slice; hsdp then all-reduces the slice across groups."""
-    grad_full, ways, world = full_bytes(model, u, "grad"), strategy.shard_ways, strategy.world_size
-    comm = _ring(grad_full, ways)
-    if strategy.name == "hsdp" and world > ways:
-        comm += 2 * _ring(ceil_div(grad_full, ways), world // ways)
-    collective = "hierarchical" if strategy.name == "hsdp" else "reduce_scatter"
-    steps.append(Step(Reduce, "comm", dict(unit=u, collective=collective, comm_bytes=comm), grad_needs, (backward,)))
-
-
-def _post_backward(model: ModelSpec, strategy: Strategy, placement: Placement, u: int,
-                   needs: Callable[..., tuple[Need, ...]], numel: Callable[[int, str], int], steps: list[Step]) -> None:
-    """Collectives and the optimizer step of unit ``u`` once its gradients are final (after the
-    last micro-batch)."""
-    name, world = strategy.name, strategy.world_size
-    grad_full = full_bytes(model, u, "grad")
-    if name == "node":
-        steps.append(Step(Push, "comm", dict(unit=u, collective="p2p", comm_bytes=grad_full),
-                          needs((u,), "grad", "device", "r")))
-        steps.append(Step(Pull, "comm", dict(unit=u, collective="p2p", comm_bytes=full_bytes(model, u, "param")),
-                          needs((u,), "param", "device", "w"), (len(steps) - 1,)))
-        return
-    if name == "ddp":  # once per step, after the last micro-batch (like DDP's no_sync)
-        steps.append(Step(Reduce, "comm", dict(unit=u, collective="all_reduce", comm_bytes=2 * _ring(grad_full, world)),
-                          needs((u,), "grad", "device", "rw")))
-    tier = placement.optim_tier
-    optim_needs = needs((u,), "grad", tier, "r") + tuple(n for s in OPTIMIZER_KINDS for n in needs((u,), s, tier, "rw"))
-    writes_param = name not in ("zero1", "zero2")
-    if writes_param:
-        optim_needs += needs((u,), "param", tier, "w")
-    steps.append(Step(OptimStep, "compute" if tier == "device" else "optim",
-                      dict(unit=u, num_params=numel(u, "master"), tier=tier), optim_needs))
-    if not writes_param:
-        steps.append(Step(Gather, "comm", dict(unit=u, collective="all_gather",
-                                               comm_bytes=_ring(full_bytes(model, u, "param"), strategy.shard_ways)),
-                          needs((u,), "param", "device", "w"), (len(steps) - 1,)))
+        if strategy.name != "node":
+            seq.optimizer(u)
+    return seq.steps

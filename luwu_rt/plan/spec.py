@@ -117,8 +117,6 @@ class ModelSpec:
         """State kinds whose shards exist at their home before a step starts."""
         return PERSISTENT_KINDS | {"grad"} if self.optimizer_only else PERSISTENT_KINDS
 
-    def element_bytes(self, state: str) -> int:
-        return {"param": self.param_bytes, "grad": self.grad_bytes}.get(state, 4)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,11 +241,18 @@ class Strategy:
             return self.group_size or min(8, self.world_size)
         return self.world_size if self.name in ("zero1", "zero2", "zero3") else 1
 
+    @property
+    def replicas(self) -> int:
+        """``hsdp``: sharding groups that each hold a replica of the sharded states (1 otherwise)."""
+        return self.world_size // self.shard_ways if self.name == "hsdp" else 1
+
     def sharded(self, state: str) -> bool:
-        """Whether this rank holds only 1/shard_ways of ``state``."""
-        if self.name in ("zero1", "zero2"):
-            return state in OPTIMIZER_KINDS or state == "grad"
-        return self.name in ("zero3", "hsdp")
+        """Whether this rank holds only 1/shard_ways of ``state`` (ZeRO's table: zero1 shards the
+        optimizer state, zero2 also the gradients, zero3 and hsdp also the parameters)."""
+        kinds = {"zero1": OPTIMIZER_KINDS, "zero2": OPTIMIZER_KINDS + ("grad",)}.get(self.name)
+        if kinds is not None:
+            return state in kinds
+        return self.name in ("zero3", "hsdp") and state in STATE_KINDS
 
 
 def ceil_div(a: int, b: int) -> int:

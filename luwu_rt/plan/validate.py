@@ -12,28 +12,44 @@ their dependencies allow - also against the dependency graph:
   persistent or read again later, and the step ends with every persistent shard's
   latest version in its home slot and nothing else resident;
 * arenas: every copy lies inside its arena, no two live copies overlap, and a copy
-  reusing freed bytes depends on the ``Free`` that released them.
+  reusing freed bytes depends on the ``Free`` that released them;
+* collectives ([Note: collectives as start and wait] in ops.py): every start has
+  the inputs and outputs its kind needs and exactly one ``Wait`` on its queue with
+  the same accesses; nothing but that wait reads an output in flight; each
+  communication queue issues only the collectives of the one group it owns.
+
+``validate_ranks`` checks in addition that the plans of all ranks issue each
+process group's collectives in the same sequence.
 """
 
 from __future__ import annotations
 
-from .ops import Free, Load, Op, ShardId, Store, SwapPlan
+import bisect
+
+from .ops import COMM_QUEUES, Collective, Free, Gather, Load, NormReduce, Op, Pull, Push, Recv, Reduce, Serve, ShardId, \
+    Store, SwapPlan, Wait
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS
 
-__all__ = ["PlanError", "validate"]
+__all__ = ["PlanError", "validate", "validate_ranks"]
 
 
 class PlanError(ValueError):
     """A plan breaks an invariant; the message names the op and the rule."""
 
 
+_NEEDS = {Reduce: "io", Gather: "io", NormReduce: "io", Push: "i", Serve: "i", Pull: "o", Recv: "o"}
+"""What each collective must have: inputs (``i``), outputs (``o``)."""
+
+
 class _Copy:
-    __slots__ = ("version", "slot", "writer", "readers")
+    __slots__ = ("version", "slot", "writer", "readers", "in_flight")
 
     def __init__(self, version: int, slot: int | None, writer: int | None) -> None:
         self.version, self.slot, self.writer = version, slot, writer
         self.readers: list[int] = []
+        self.in_flight: int | None = None
+        """The collective start writing this copy until its wait."""
 
 
 class _Replay:
@@ -45,10 +61,14 @@ class _Replay:
         self.live: dict[str, dict[int, tuple[int, ShardId]]] = {"device": {}, "host": {}}
         self.freed: dict[str, list[tuple[int, int, int]]] = {"device": [], "host": []}
         self.anc: list[int] = []
-        self.last_read: dict[ShardId, int] = {}
+        # Per shard, the ops that access it and whether they read it: a value is needed while the
+        # next access reads it (a pure overwrite, such as a workspace gathered again, does not).
+        self.accesses: dict[ShardId, list[tuple[int, bool]]] = {}
         for i, op in enumerate(plan.ops):
-            for acc in op.inputs:
-                self.last_read[acc.shard] = i
+            reads = {a.shard for a in op.inputs}
+            for shard in dict.fromkeys([a.shard for a in op.inputs + op.outputs]):
+                self.accesses.setdefault(shard, []).append((i, shard in reads))
+        self.unwaited: dict[int, Collective] = {}
         self.op_index = -1
 
     def fail(self, message: str) -> PlanError:
@@ -127,6 +147,7 @@ class _Replay:
         self.anc.append(anc)
         if isinstance(op, Free):
             return self.free(op)
+        self.check_collective(i, op)
         versions = []
         for acc in op.inputs:
             copy = self.resident(acc.shard, acc.tier, acc.slot)
@@ -135,6 +156,9 @@ class _Replay:
                                 f"latest {self.latest[acc.shard]})")
             if not self.before(copy.writer):
                 raise self.fail(f"reads {acc.shard} on {acc.tier} while op {copy.writer} may still be writing it")
+            if copy.in_flight is not None and not (isinstance(op, Wait) and op.start == copy.in_flight):
+                raise self.fail(f"reads {acc.shard} on {acc.tier} while collective op {copy.in_flight} is writing "
+                                f"it; depend on its Wait")
             versions.append(copy.version)
         if isinstance(op, (Load, Store)):
             self.check_move(op)
@@ -142,6 +166,29 @@ class _Replay:
             self.copies[(acc.shard, acc.tier)].readers.append(i)
         for acc in op.outputs:
             self.write(acc, versions[0] if isinstance(op, (Load, Store)) else self.latest[acc.shard] + 1)
+            self.copies[(acc.shard, acc.tier)].in_flight = i if isinstance(op, Collective) else None
+
+    def check_collective(self, i: int, op: Op) -> None:
+        """A start has what its kind needs and runs on the queue of its group; a wait matches one start."""
+        groups = self.plan.comm_groups
+        if isinstance(op, Collective):
+            needs = _NEEDS[type(op)]
+            if ("i" in needs and not op.inputs) or ("o" in needs and not op.outputs):
+                raise self.fail(f"a {op.kind} needs {' and '.join({'i': 'inputs', 'o': 'outputs'}[c] for c in needs)}")
+            if op.collective == "local":
+                if op.group or op.queue in COMM_QUEUES:
+                    raise self.fail("a local reduction belongs to no group and runs on no communication queue")
+            elif groups.get(op.queue) != op.group:
+                raise self.fail(f"a collective over {op.group!r} on queue {op.queue}, whose process group spans "
+                                f"{groups.get(op.queue)!r}: each queue issues the collectives of its own group")
+            self.unwaited[i] = op
+        elif isinstance(op, Wait):
+            start = self.unwaited.pop(op.start, None)
+            if start is None:
+                raise self.fail(f"waits for op {op.start}, which is not an unwaited collective start")
+            if op.queue != start.queue or op.inputs != start.inputs or op.outputs != start.outputs \
+                    or not self.before(op.start):
+                raise self.fail(f"the wait of op {op.start} must run on its queue, list its accesses and depend on it")
 
     def check_move(self, op: Load | Store) -> None:
         a, b = TIERS.index(op.src), TIERS.index(op.dst)
@@ -170,11 +217,17 @@ class _Replay:
         if racing:
             raise self.fail(f"frees {op.shard} on {op.tier} while op(s) {racing} may still use it")
         latest = self.latest[op.shard]
-        needed = op.shard.state in PERSISTENT_KINDS or self.last_read.get(op.shard, -1) > self.op_index
+        needed = op.shard.state in PERSISTENT_KINDS or self._read_next(op.shard)
         others = [t for (s, t), c in self._copies_of(op.shard) if t != op.tier and c.version == latest]
         if needed and copy.version == latest and not others:
             raise self.fail(f"drops the only up-to-date copy of {op.shard} (on {op.tier}) before it was persisted")
         self.drop(op.shard, op.tier)
+
+    def _read_next(self, shard: ShardId) -> bool:
+        """Whether the next op that accesses ``shard`` after the current one reads its value."""
+        events = self.accesses.get(shard, [])
+        k = bisect.bisect_right(events, (self.op_index, True))
+        return k < len(events) and events[k][1]
 
     def _copies_of(self, shard: ShardId):
         return (((shard, t), self.copies[(shard, t)]) for t in TIERS if (shard, t) in self.copies)
@@ -182,6 +235,9 @@ class _Replay:
     def finish(self) -> None:
         self.op_index = len(self.plan.ops)
         self.anc.append(0)
+        if self.unwaited:
+            raise PlanError(f"end of plan: collective op(s) {sorted(self.unwaited)} are never waited for")
+
         for shard in self.plan.shards:
             home = self.plan.homes[shard.state]
             for (_, tier), copy in self._copies_of(shard):
@@ -202,3 +258,41 @@ def validate(plan: SwapPlan) -> None:
     for i, op in enumerate(plan.ops):
         replay.step(i, op)
     replay.finish()
+
+
+def _group_members(plan: SwapPlan, group: str, rank: int) -> tuple[int, ...]:
+    """Ranks of the process group ``group`` that ``rank`` belongs to."""
+    s = plan.strategy
+    ways, world = s.shard_ways, s.world_size
+    if group == "shard":
+        return tuple(range(rank // ways * ways, rank // ways * ways + ways))
+    if group == "replica":
+        return tuple(range(rank % ways, world, ways))
+    return tuple(range(world))
+
+
+def _signature(op: Collective, plan: SwapPlan) -> tuple:
+    sizes = tuple(plan.shards[a.shard].numel for a in op.inputs + op.outputs)
+    return (op.kind, op.collective, op.unit, op.group_size, op.comm_bytes, sizes)
+
+
+def validate_ranks(plans: list[SwapPlan]) -> None:
+    """``validate`` every rank's plan (``plans[r]`` is rank ``r``'s), then check that the ranks of each
+    process group issue its collectives in the same sequence, so no order of arrival can deadlock
+    or mismatch them."""
+    for plan in plans:
+        validate(plan)
+    for rank, plan in enumerate(plans):
+        if plan.comm_groups != plans[0].comm_groups:
+            raise PlanError(f"rank {rank} uses communication queues {dict(plan.comm_groups)}, rank 0 "
+                            f"{dict(plans[0].comm_groups)}")
+        for queue, group in plan.comm_groups.items():
+            mine = [_signature(op, plan) for op in plan.ops if isinstance(op, Collective) and op.queue == queue]
+            for other in _group_members(plan, group, rank):
+                theirs = [_signature(op, plans[other]) for op in plans[other].ops
+                          if isinstance(op, Collective) and op.queue == queue]
+                if mine != theirs:
+                    at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+                    raise PlanError(f"ranks {rank} and {other} issue different collectives on group {group!r} "
+                                    f"(queue {queue}) at its collective #{at}: "
+                                    f"{mine[at] if at < len(mine) else 'none'} vs {theirs[at] if at < len(theirs) else 'none'}")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from luwu_rt.exec import AdamWHandler, Executor, write_chrome_trace
+from luwu_rt.exec import AdamWHandler, Executor, NormHandlers, write_chrome_trace
 from luwu_rt.io import IOEngine
 from luwu_rt.kernels import adamw_step
 from luwu_rt.plan import Budgets, ModelSpec, Placement, UnitSpec, plan_step, validate
@@ -46,7 +46,10 @@ def _setup(plan, tmp_path, engine):
                     view.view(torch.float32)[: info.numel].copy_(_initial(sid.unit)["grad"][start : start + info.numel])
 
     store = TieredStore(plan, arenas=arenas, nvme=nvme)
-    ex = Executor(plan, store=store, handlers={"Compute": compute, "OptimStep": handler})
+    norms = NormHandlers(plan.shards, grad_dtype=torch.float32)
+    ex = Executor(plan, store=store, handlers={"Compute": compute, "OptimStep": handler, "GradNorm": norms.grad_norm,
+                                              "NormReduce": norms.norm_reduce})
+    ex.norms = norms
     for u in range(len(SIZES)):
         for state, values in _initial(u).items():
             if state != "grad":
@@ -83,6 +86,8 @@ def test_out_of_core_step_equals_in_memory_bit_for_bit(tmp_path, placement, over
         ex = _setup(plan, tmp_path, engine)
         spans = ex.run(overlap=overlap)
         assert len(spans) == len(plan.ops)
+        expect_sq = sum(float(_initial(u)["grad"].double().square().sum()) for u in range(len(SIZES)))
+        assert ex.norms.total_sq == pytest.approx(expect_sq, rel=1e-6)
         for u in range(len(SIZES)):
             ref = _reference(u)
             for state in OPTIM + ("param",):
@@ -109,7 +114,7 @@ def test_failing_handler_is_raised_not_hung(tmp_path) -> None:
         raise RuntimeError(f"handler failed at {op.name}")
 
     store = TieredStore(plan, arenas={t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}, nvme=None)
-    ex = Executor(plan, store=store, handlers={"Compute": boom, "OptimStep": boom})
+    ex = Executor(plan, store=store, handlers={"Compute": boom, "OptimStep": boom, "GradNorm": boom, "NormReduce": boom})
     with pytest.raises(RuntimeError, match="handler failed at F0"):
         ex.run()
 
