@@ -47,7 +47,7 @@ from .sequence import Step, build_layout, build_steps, comm_groups, home_of
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
 
-__all__ = ["plan_step", "lower_bounds", "effective_placement", "POLICIES"]
+__all__ = ["plan_step", "walk_steps", "lower_bounds", "effective_placement", "OutOfBudget", "POLICIES"]
 
 POLICIES = ("belady", "lru")
 _QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d", ("device", "host"): "d2h"}
@@ -160,14 +160,14 @@ class _Walk:
         cap = self.budgets.of(tier)
         if tier == "nvme":
             if cap is not None and self.used[tier] + nbytes > cap:
-                raise _OutOfBudget(tier)
+                raise OutOfBudget(tier)
             self._account(tier, nbytes)
             return None, ()
         arena = self.arenas[tier]
         while (got := arena.alloc(nbytes)) is None:
             victim = self._victim(tier, pos, pinned)
             if victim is None:
-                raise _OutOfBudget(tier)
+                raise OutOfBudget(tier)
             if not self._is_clean(victim, tier):
                 self.write_back(victim, tier, pos, pinned)  # still protecting what the caller pinned
             self.free_copy(victim, tier)
@@ -312,8 +312,11 @@ class _Walk:
             assert shard.state not in PERSISTENT_KINDS or copies[self._home(shard)].version == self.latest[shard]
 
 
-class _OutOfBudget(Exception):
+class OutOfBudget(ValueError):
+    """A tier's budget cannot hold what the steps need at some point; ``tier`` names it."""
+
     def __init__(self, tier: str) -> None:
+        super().__init__(f"the {tier} budget is too small for this plan")
         self.tier = tier
 
 
@@ -374,17 +377,27 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
                          f"{format_size(reserve)} that activations need; "
                          f"raise it or lower the batch size / sequence length")
     layout = build_layout(model, strategy)
-    walk = _Walk(build_steps(model, strategy, placement, layout), layout, placement, budgets, reserve, policy,
-                 model.initial_kinds)
     try:
-        home_slots = walk.place_homes()
-        for pos, step in enumerate(walk.steps):
-            walk.run_step(pos, step)
-        walk.finish()
-    except _OutOfBudget as exc:
+        return walk_steps(build_steps(model, strategy, placement, layout), layout, model=model, budgets=budgets,
+                          placement=placement, strategy=strategy, policy=policy,
+                          comm_groups=comm_groups(model, strategy))
+    except OutOfBudget as exc:
         raise ValueError(_budget_message(exc.tier, model, budgets, placement, strategy)) from None
+
+
+def walk_steps(steps: list[Step], layout: dict[ShardId, ShardInfo], *, model: ModelSpec, budgets: Budgets,
+               placement: Placement, strategy: Strategy, policy: str, comm_groups: dict[str, str],
+               role: str = "worker") -> SwapPlan:
+    """The planner's core ([Note: how the planner works]): places ``steps`` (from ``build_steps``, or the
+    optimizer node's own sequence) over ``layout``. Raises ``OutOfBudget`` naming the tier that ran out."""
+    reserve = model.activation_bytes
+    walk = _Walk(steps, layout, placement, budgets, reserve, policy, model.initial_kinds)
+    home_slots = walk.place_homes()
+    for pos, step in enumerate(walk.steps):
+        walk.run_step(pos, step)
+    walk.finish()
     return SwapPlan(ops=tuple(walk.ops), shards=layout, chunk_bytes=model.chunk_bytes,
-                    homes={s: home_of(s, placement) for s in _kinds(layout)}, comm_groups=comm_groups(model, strategy),
+                    homes={s: home_of(s, placement) for s in _kinds(layout)}, comm_groups=comm_groups, role=role,
                     budgets=budgets, arena_bytes={t: a.capacity_bytes for t, a in walk.arenas.items()},
                     device_reserve_bytes=reserve, strategy=strategy, policy=policy, home_slots=home_slots,
                     peak_bytes=walk.peak)
