@@ -42,7 +42,8 @@ from typing import Callable, Sequence
 from .ops import GLOBAL_UNIT, Compute, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
 from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
 
-__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points", "home_of"]
+__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points", "group_members",
+           "home_of"]
 
 NORM_BYTES = 8
 """A squared norm is one float64."""
@@ -164,6 +165,18 @@ def comm_groups(model: ModelSpec, strategy: Strategy) -> dict[str, str]:
     if strategy.name == "hsdp" and strategy.replicas > 1:
         groups["reduce_cross"] = "replica"
     return dict(groups)
+
+
+def group_members(strategy: Strategy, group: str, rank: int) -> tuple[int, ...]:
+    """World ranks of the ``group`` (a ``Collective.group`` name) that ``rank`` belongs to: hsdp's
+    ``shard`` groups are runs of G consecutive ranks, its ``replica`` groups the ranks G apart."""
+    ways, world = strategy.shard_ways, strategy.world_size
+    if group == "shard":
+        first = rank // ways * ways
+        return tuple(range(first, first + ways))
+    if group == "replica":
+        return tuple(range(rank % ways, world, ways))
+    return tuple(range(world))
 
 
 def _group_size(strategy: Strategy, group: str) -> int:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import bisect
 
-from .ops import COMM_QUEUES, Collective, Free, Gather, Load, NormReduce, Op, Pull, Push, Recv, Reduce, Serve, ShardId, \
-    Store, SwapPlan, Wait
+from .ops import (COMM_QUEUES, Collective, Free, Gather, Load, NormReduce, Op, Pull, Push, Recv, Reduce, Serve, ShardId,
+                  Store, SwapPlan, Wait)
+from .sequence import group_members
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS
 
@@ -260,17 +261,6 @@ def validate(plan: SwapPlan) -> None:
     replay.finish()
 
 
-def _group_members(plan: SwapPlan, group: str, rank: int) -> tuple[int, ...]:
-    """Ranks of the process group ``group`` that ``rank`` belongs to."""
-    s = plan.strategy
-    ways, world = s.shard_ways, s.world_size
-    if group == "shard":
-        return tuple(range(rank // ways * ways, rank // ways * ways + ways))
-    if group == "replica":
-        return tuple(range(rank % ways, world, ways))
-    return tuple(range(world))
-
-
 def _signature(op: Collective, plan: SwapPlan) -> tuple:
     sizes = tuple(plan.shards[a.shard].numel for a in op.inputs + op.outputs)
     return (op.kind, op.collective, op.unit, op.group_size, op.comm_bytes, sizes)
@@ -288,7 +278,7 @@ def validate_ranks(plans: list[SwapPlan]) -> None:
                             f"{dict(plans[0].comm_groups)}")
         for queue, group in plan.comm_groups.items():
             mine = [_signature(op, plan) for op in plan.ops if isinstance(op, Collective) and op.queue == queue]
-            for other in _group_members(plan, group, rank):
+            for other in group_members(plan.strategy, group, rank):
                 theirs = [_signature(op, plans[other]) for op in plans[other].ops
                           if isinstance(op, Collective) and op.queue == queue]
                 if mine != theirs:

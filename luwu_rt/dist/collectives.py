@@ -1,0 +1,166 @@
+"""Handlers of the plan's collectives (``Reduce``, ``Gather``, ``NormReduce``) over process groups.
+
+Each communication queue of a plan owns one process group (``SwapPlan.comm_groups``;
+[Note: collectives as start and wait] in plan/ops.py); ``CollectiveHandlers``
+maps every collective op to calls on the group of its queue and returns the
+handle its ``Wait`` completes. A group is anything with the three methods of
+``Group``: ``TorchGroup`` wraps a ``torch.distributed`` process group (gloo on
+the CPU, NCCL on GPUs), ``luwu_rt.dist.local.LocalWorld`` runs ranks as threads
+of one process for tests.
+
+[Note: slices of a full buffer]
+A sharded state holds S = ceil(numel / W) elements per rank, and the full
+buffer a reduce-scatter reads or an all-gather writes holds W x S elements in
+one shard, so rank r's part is ``full[r*S : (r+1)*S]``. The slice side may be
+cut into several plan shards; shard c of the slice covers slice elements
+``[a, b)``, and its collective moves ``full[r*S + a : r*S + b]`` for every
+rank r: one call per slice shard, each on contiguous views, no staging copy.
+
+[Note: gradient sums]
+Collectives sum. Each rank's gradients are those of its share of the global
+batch's mean loss (the engine scales the loss by 1 / (world size x micro-batches)),
+so the sum over ranks is the gradient of the global mean, as the single-process
+run computes it. A reduce-scatter that accumulates (later micro-batches under
+zero2/3/hsdp) scatters into ``grad_slice`` and its wait adds that into ``grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from luwu_rt.exec.executor import Handle, Views
+from luwu_rt.exec.norm import NormHandlers
+from luwu_rt.plan.ops import Collective, Gather, NormReduce, Reduce, ShardId, ShardInfo
+
+__all__ = ["CollectiveHandlers", "Group", "TorchGroup"]
+
+
+class Group(Protocol):
+    """The collectives a plan needs, asynchronous: each returns a ``Handle``; ranks call them in the
+    same order (the plan guarantees it)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> Handle:
+        """Sums ``tensor`` over the group, in place."""
+        ...
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Handle:
+        """``output`` = the sum over ranks of their ``inputs[self.rank]``."""
+        ...
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
+        """``outputs[r]`` = rank r's ``input``."""
+        ...
+
+
+class TorchGroup:
+    """A ``torch.distributed`` process group as a ``Group``."""
+
+    def __init__(self, group: object | None = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Handle:
+        return self._dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Handle:
+        return self._dist.reduce_scatter(output, list(inputs), group=self.group, async_op=True)
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
+        return self._dist.all_gather(list(outputs), input, group=self.group, async_op=True)
+
+
+class _Then:
+    """Waits for every handle, then runs ``then`` (work that needs the transfer's result)."""
+
+    def __init__(self, handles: list[Handle], then: Callable[[], None] | None = None) -> None:
+        self.handles, self.then = handles, then
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+        if self.then is not None:
+            self.then()
+
+
+class CollectiveHandlers:
+    """Executor handlers ``Reduce``, ``Gather`` and ``NormReduce`` for one rank's plan.
+
+    ``groups``: the process group of every communication queue of the plan; ``dtypes``: element
+    types of the ``param`` and ``grad`` kinds (workspaces share their kind's type)."""
+
+    def __init__(self, shards: Mapping[ShardId, ShardInfo], *, groups: Mapping[str, Group],
+                 param_dtype: torch.dtype, grad_dtype: torch.dtype, norms: NormHandlers) -> None:
+        self.shards = shards
+        self.groups = groups
+        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
+        self.norms = norms
+
+    def handlers(self) -> dict[str, Callable[[Collective, Views], Handle]]:
+        return {"Reduce": self.reduce, "Gather": self.gather, "NormReduce": self.norm_reduce}
+
+    def _typed(self, views: Views, shard: ShardId) -> torch.Tensor:
+        dtype = self.param_dtype if shard.state.startswith("param") else self.grad_dtype
+        return views[shard].view(dtype)[: self.shards[shard].numel]
+
+    def _kind(self, accesses: Sequence, state: str) -> list[ShardId]:
+        return sorted((a.shard for a in accesses if a.shard.state == state), key=lambda s: s.chunk)
+
+    def _pieces(self, full: torch.Tensor, slices: list[ShardId], views: Views, ways: int):
+        """(slice shard view, the W views of ``full`` that meet it) per slice shard ([Note: slices of a
+        full buffer])."""
+        per_rank = sum(self.shards[s].numel for s in slices)
+        start = 0
+        for shard in slices:
+            part = self._typed(views, shard)
+            stop = start + part.numel()
+            yield part, [full[r * per_rank + start : r * per_rank + stop] for r in range(ways)]
+            start = stop
+
+    def reduce(self, op: Reduce, views: Views) -> Handle:
+        group = self.groups[op.queue]
+        if op.collective == "all_reduce":
+            return _Then([group.all_reduce(self._typed(views, a.shard)) for a in op.outputs])
+        assert op.collective == "reduce_scatter", op
+        full_kind = "grad_full" if any(a.shard.state == "grad_full" for a in op.inputs) else "grad"
+        (full_id,) = self._kind(op.inputs, full_kind)
+        full = views[full_id].view(self.grad_dtype)
+        # zero1 scatters its kept full grad into grad_slice; an accumulating scatter lands there first too.
+        slices = self._kind(op.outputs, "grad_slice") or self._kind(op.outputs, "grad")
+        handles = [group.reduce_scatter(part, inputs) for part, inputs in self._pieces(full, slices, views, group.size)]
+        if not op.accumulate:
+            return _Then(handles)
+        grads = self._kind(op.outputs, "grad")
+
+        def add() -> None:
+            for g, s in zip(grads, slices, strict=True):
+                self._typed(views, g).add_(self._typed(views, s))
+
+        return _Then(handles, add)
+
+    def gather(self, op: Gather, views: Views) -> Handle:
+        group = self.groups[op.queue]
+        (full_id,) = [a.shard for a in op.outputs]
+        full = views[full_id].view(self.param_dtype)
+        slices = self._kind(op.inputs, op.inputs[0].shard.state)
+        return _Then([group.all_gather(outputs, part) for part, outputs in self._pieces(full, slices, views, group.size)])
+
+    def norm_reduce(self, op: NormReduce, views: Views) -> Handle:
+        if op.collective == "local":
+            return self.norms.norm_reduce(op, views)
+        total = self.norms.local_sum(op, views)
+
+        def record() -> None:
+            self.norms.total_sq = float(total)
+
+        return _Then([self.groups[op.queue].all_reduce(total)], record)
+
