@@ -104,9 +104,16 @@ def _describe(engine) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine = _build(args)
+    try:
+        return _train(engine, args)
+    finally:
+        engine.close()  # joins the queue threads, also when a step failed or was interrupted
+
+
+def _train(engine, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    engine = _build(args)
     c = engine.config
     print(_describe(engine), file=sys.stderr)
     log = open(c.json_log, "a") if c.json_log else None

@@ -40,21 +40,11 @@ autograd actually saves is copied (under bf16 autocast the weights it saves are
 already casts, so nothing is), and only for the forwards whose parameter copies
 are at risk (``plan.analysis.params_at_risk``). The cost of kept graphs is
 memory outside the arenas; ``kept_bytes`` in the step metrics reports it.
-
-[Note: one long-lived compute thread]
-The executor starts fresh threads for every step's queues. Units computed on a
-thread that was just born run about 10% slower on the CPU (measured on
-gpt-small: a plain fwd+bwd on a new thread 1.32 s vs 1.25 s on a long-lived
-one): the math libraries' per-thread state (OpenMP team, scratch buffers,
-malloc arena) is rebuilt each time. So the handler hands every unit to one
-daemon thread that lives as long as the process.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -148,44 +138,6 @@ def bind_unit_params(chain: UnitChain, unit: int, flat: torch.Tensor) -> None:
         offset += n
 
 
-class _LongLivedThread:
-    """Runs calls on one daemon thread that lives as long as the process ([Note: one long-lived compute
-    thread]); callers block until their call returns and get its exception, if any."""
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-
-    def call(self, fn: Callable[..., None], *args: object) -> None:
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():  # first call, or in a forked child
-                self._calls = queue.SimpleQueue()
-                self._thread = threading.Thread(target=self._serve, name="luwu-unit-compute", daemon=True)
-                self._thread.start()
-        if threading.current_thread() is self._thread:
-            fn(*args)
-            return
-        done, failure = threading.Event(), []
-        self._calls.put((fn, args, done, failure))
-        done.wait()
-        if failure:
-            raise failure[0]
-
-    def _serve(self) -> None:
-        while True:
-            fn, args, done, failure = self._calls.get()
-            try:
-                fn(*args)
-            except BaseException as exc:  # handed to the caller, who re-raises it on its own thread
-                failure.append(exc)
-            finally:
-                done.set()
-
-
-_COMPUTE_THREAD = _LongLivedThread()
-
-
 class UnitCompute:
     """Forward and backward of one unit at a time over a step's micro-batches; also the executor's
     ``Compute`` handler."""
@@ -232,9 +184,8 @@ class UnitCompute:
     # -- the plan's Compute handler -------------------------------------------------------------
 
     def __call__(self, op: Compute, views: Views) -> None:
-        _COMPUTE_THREAD.call(self._run, op, views)  # [Note: one long-lived compute thread]
-
-    def _run(self, op: Compute, views: Views) -> None:
+        # Called on the compute queue's thread (or its stream's worker), which lives across steps and
+        # plans ([Note: persistent queue threads] in exec/streams.py).
         for unit in (op.unit, *self.chain.reads(op.unit)):
             bind_unit_params(self.chain, unit, views[ShardId(unit, "param", 0)].view(self.param_dtype))
         if op.name.startswith("F"):

@@ -37,7 +37,7 @@ from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_c
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.engine.schedule import lr_at
-from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Span
+from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Queues, Span
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
 from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, plan_auto, plan_step, validate
@@ -82,10 +82,14 @@ class Engine:
                                    at_risk=params_at_risk(self.plan))
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
         self.norms = NormHandlers(self.plan.shards, grad_dtype=self.param_dtype)
-        self.executor = Executor(self.plan, store=self.store,
+        # One set of queue threads and streams serves both plans: a unit computes on the same
+        # long-lived thread in training and evaluation ([Note: persistent queue threads]).
+        self.queues = Queues(device=self.device)
+        self.executor = Executor(self.plan, store=self.store, queues=self.queues,
                                  handlers={"Compute": self.compute, "OptimStep": self._optim_step,
                                            "GradNorm": self.norms.grad_norm, "NormReduce": self.norms.norm_reduce})
-        self.eval_executor = Executor(self.eval_plan, store=self.store, handlers={"Compute": self.compute})
+        self.eval_executor = Executor(self.eval_plan, store=self.store, queues=self.queues,
+                                      handlers={"Compute": self.compute})
         self.step = 0
         """Optimizer steps taken (the step number of the last completed ``train_step``)."""
         self.adam_step = 0
@@ -94,6 +98,18 @@ class Engine:
         self._sampler = None
         if materialize:
             self._materialize()
+
+    def close(self) -> None:
+        """Joins the queue threads and releases the store's IO engine; idempotent. The engine cannot
+        run steps afterwards."""
+        self.queues.close()
+        self.store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- construction -------------------------------------------------------------------------
 

@@ -1,14 +1,29 @@
 """Runs a ``SwapPlan`` against the store: it moves bytes and calls handlers,
 and decides nothing (DESIGN.md, "Planner and executor").
 
-[Note: executor threads]
-One thread per plan queue (``nvme_read``, ``nvme_write``, ``h2d``, ``d2h``,
-``compute``, ``optim``, ``comm``, ``mem``). Each thread runs its queue's ops in
-plan order, waiting for each op's dependencies first. Because the plan's order
-is a topological order of its dependencies, this never deadlocks, and ops on
-different queues overlap exactly as far as the plan allows. Python threads are
-enough: every long op (file IO, copies, fused kernels, collectives) releases
-the GIL.
+[Note: issuing ops on streams]
+Each plan queue has a thread and a stream (``Queues`` in streams.py). The
+thread issues its queue's ops in plan order; for each op it waits, host-side,
+until every dependency has been *issued* (its event exists), makes its stream
+wait on the event of each dependency that ran on another queue, launches the
+op's work on its stream and records the op's event. The event, not the issue,
+says when the op is complete: on a host stream the two coincide, on a deferred
+CPU stream or a CUDA stream the work runs later, and everything downstream
+waits for it through the event. Dependencies point to earlier ops and each
+queue issues in plan order, so no thread ever waits for an op that cannot be
+issued: this never deadlocks. A ``Free`` has no work: its event joins its
+dependencies' events, and an op allocating the freed bytes waits on that.
+Python threads are enough: every long op (file IO, copies, fused kernels,
+collectives) releases the GIL.
+
+[Note: failures in a run]
+The work of an op that raises records ``(op index, error)`` in the run; the
+error also fails the op's event, and through it every op waiting on it
+([Note: stream failures] in streams.py). From then on queue threads stop at
+their next op boundary and work not yet started is skipped; ``run`` waits for
+everything already issued to finish, so nothing of this run is left running,
+and re-raises the failure of the lowest op index: the first cause, not a
+consequence. Threads and streams stay up for the next run.
 """
 
 from __future__ import annotations
@@ -16,11 +31,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Literal, Protocol
 
 import torch
 
+from luwu_rt.exec.chaos import Chaos, QueueChaos
+from luwu_rt.exec.streams import Event, JoinedEvent, Queues
 from luwu_rt.exec.trace import Span
 from luwu_rt.plan.ops import Collective, Free, Load, Op, ShardId, Store, SwapPlan, Wait
 from luwu_rt.store import TieredStore
@@ -33,7 +50,8 @@ Views = Mapping[ShardId, torch.Tensor]
 
 class Handle(Protocol):
     """What a collective's handler returns: ``wait()`` completes the transfer (a ``torch.distributed``
-    ``Work`` is one). The executor calls it when it runs the collective's ``Wait`` op."""
+    ``Work`` is one). The executor calls it when it runs the collective's ``Wait`` op, on the stream
+    of their queue."""
 
     def wait(self) -> object: ...
 
@@ -50,18 +68,41 @@ Handler = Callable[[Op, Views], "Handle | None"]
 """``(op, views)``: does the op's work; a collective's handler returns the ``Handle`` its ``Wait`` completes."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    op_index: int
-    error: BaseException
+class _Run:
+    """The state of one ``Executor.run``: per op its event once issued, its span once done."""
+
+    def __init__(self, num_ops: int) -> None:
+        self.origin = time.perf_counter()
+        self.issued = [threading.Event() for _ in range(num_ops)]
+        self.events: list[Event | None] = [None] * num_ops
+        self.spans: list[Span | None] = [None] * num_ops
+        self.handles: dict[int, Handle] = {}
+        """Collective starts' handles until their ``Wait`` (written and read on their queue's stream)."""
+        self.failures: list[tuple[int, BaseException]] = []
+        self.failed = threading.Event()
+        self._lock = threading.Lock()
+
+    def fail(self, index: int, error: BaseException) -> None:
+        """Records a failure and wakes every thread waiting for an issue ([Note: failures in a run])."""
+        with self._lock:
+            self.failures.append((index, error))
+            self.failed.set()
+        for issued in self.issued:
+            issued.set()
 
 
 class Executor:
-    """Walks a plan. ``handlers`` maps op kinds (``Compute``, ``OptimStep``,
-    ``Reduce``, ``Gather``, ``Push``, ``Pull``) to callables ``(op, views)``;
-    ``Load``/``Store``/``Free`` are the executor's own."""
+    """Walks a plan. ``handlers`` maps op kinds (``Compute``, ``OptimStep``, ``GradNorm``, ``Reduce``,
+    ``Gather``, ``NormReduce``, ...) to callables ``(op, views)``; ``Load``/``Store``/``Free``/``Wait``
+    are the executor's own.
 
-    def __init__(self, plan: SwapPlan, *, store: TieredStore, handlers: Mapping[str, Handler]) -> None:
+    ``queues``: the threads and streams to run on, shared by several executors (the engine's training
+    and evaluation plans); by default the executor makes its own and ``close()`` joins them.
+    ``chaos``: random delays around every op (chaos.py); ``"env"`` reads ``LUWU_CHAOS_SEED``.
+    """
+
+    def __init__(self, plan: SwapPlan, *, store: TieredStore, handlers: Mapping[str, Handler],
+                 queues: Queues | None = None, chaos: Chaos | Literal["env"] | None = "env") -> None:
         missing = sorted({op.kind for op in plan.ops if not isinstance(op, (Load, Store, Free, Wait))} - set(handlers))
         if missing:
             raise ValueError(f"Executor: no handler for op kind(s) {missing}")
@@ -69,9 +110,26 @@ class Executor:
         self.plan = plan
         self.store = store
         self.handlers = handlers
-        self._handles: dict[int, Handle] = {}
+        self._own_queues = queues is None
+        self.queues = queues if queues is not None else Queues(device=_device_of(store))
+        self.chaos = Chaos.from_env() if chaos == "env" else chaos
+        self._by_queue: dict[str, list[int]] = {}
+        for i, op in enumerate(plan.ops):
+            self._by_queue.setdefault(op.queue, []).append(i)
+        self._delays: dict[str, QueueChaos] = {q: self.chaos.queue(q) for q in self._by_queue} if self.chaos else {}
 
-    # -- ops -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Joins the executor's queue threads (not those of ``queues`` given to it)."""
+        if self._own_queues:
+            self.queues.close()
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- an op's work, on its stream -------------------------------------------------------------
 
     def _move(self, op: Load | Store) -> None:
         src, dst = op.inputs[0], op.outputs[0]
@@ -80,68 +138,114 @@ class Executor:
             nvme.wait(nvme.submit_read(src.shard.unit, src.shard.state, first_chunk=info.first_chunk, buffer=view(dst)))
         elif dst.tier == "nvme":
             nvme.wait(nvme.submit_write(dst.shard.unit, dst.shard.state, first_chunk=info.first_chunk, buffer=view(src)))
-        else:
-            view(dst).copy_(view(src))
+        else:  # asynchronous on a CUDA stream; the op's event says when the bytes are there
+            view(dst).copy_(view(src), non_blocking=True)
 
-    def _run_op(self, i: int, op: Op) -> None:
+    def _run_op(self, run: _Run, i: int, op: Op) -> None:
         if isinstance(op, (Load, Store)):
             self._move(op)
         elif isinstance(op, Wait):
-            self._handles.pop(op.start).wait()
+            run.handles.pop(op.start).wait()
         elif not isinstance(op, Free):
             views = {a.shard: self.store.view(a) for a in op.inputs if a.tier != "nvme"}
             views.update({a.shard: self.store.view(a) for a in op.outputs if a.tier != "nvme"})
             handle = self.handlers[op.kind](op, views)
             if isinstance(op, Collective):
                 assert handle is not None, f"the {op.kind} handler returned no handle to wait for"
-                self._handles[i] = handle
+                run.handles[i] = handle
 
-    # -- scheduling ----------------------------------------------------------------------------
+    def _work(self, run: _Run, i: int) -> None:
+        """Op ``i``'s work as its stream runs it, its span measured inside it."""
+        if run.failed.is_set():
+            return  # another op failed: skip the work not yet started ([Note: failures in a run])
+        op = self.plan.ops[i]
+        start = time.perf_counter()
+        try:
+            self._run_op(run, i, op)
+        except BaseException as exc:
+            run.fail(i, exc)
+            raise  # fails the op's event, and with it the ops that wait on it
+        run.spans[i] = Span.of(op, start=start - run.origin, end=time.perf_counter() - run.origin)
+
+    # -- issuing, on the queue threads -----------------------------------------------------------
+
+    def _issue(self, run: _Run, i: int) -> bool:
+        """Issues op ``i`` on its queue's stream ([Note: issuing ops on streams]); False once the run failed."""
+        if run.failed.is_set():
+            return False
+        op = self.plan.ops[i]
+        stream = self.queues.stream(op.queue)
+        deps = []
+        for d in op.deps:
+            run.issued[d].wait()
+            if run.failed.is_set():
+                return False
+            deps.append(run.events[d])
+            if not isinstance(op, Free) and self.plan.ops[d].queue != op.queue:  # one queue's stream keeps order
+                stream.wait(run.events[d])
+        delays = self._delays.get(op.queue)
+        if delays is not None:  # on the stream, after its waits and before the record: they delay the work
+            stream.sleep(delays.next_delay_s())
+        stream.launch(partial(self._work, run, i))
+        if delays is not None:
+            stream.sleep(delays.next_delay_s())
+        event = stream.record()
+        run.events[i] = JoinedEvent([*deps, event]) if isinstance(op, Free) else event
+        run.issued[i].set()
+        return True
+
+    def _issue_queue(self, run: _Run, indices: list[int]) -> None:
+        """A queue thread's part of an overlapped run: its ops in plan order."""
+        for i in indices:
+            try:
+                if not self._issue(run, i):
+                    return
+            except BaseException as exc:  # the executor's own failure (a handler's fails its event instead)
+                run.fail(i, exc)
+                return
+
+    def _issue_and_sync(self, run: _Run, i: int) -> None:
+        """One op of a serialised run: issued like any other, then synchronised before the next."""
+        try:
+            if self._issue(run, i):
+                run.events[i].synchronize()
+        except BaseException as exc:
+            if not run.failed.is_set():
+                run.fail(i, exc)
 
     def run(self, *, overlap: bool = True) -> list[Span]:
-        """Runs every op once; returns a span per op. ``overlap=False`` runs the
-        ops one after another in plan order (the serialised baseline)."""
-        spans: list[Span | None] = [None] * len(self.plan.ops)
-        origin = time.perf_counter()
+        """Runs every op once; returns a span per op (measured inside its work). ``overlap=False`` runs
+        the ops one after another in plan order (the serialised baseline), on the same threads and
+        streams. Re-raises the first failure ([Note: failures in a run])."""
+        lock = self.queues.exclusive()
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("another run is using these queues; runs that share Queues go one at a time")
+        try:
+            run = _Run(len(self.plan.ops))
+            if overlap:
+                jobs = [self.queues.submit(q, partial(self._issue_queue, run, ix)) for q, ix in self._by_queue.items()]
+                for job in jobs:
+                    job.wait()
+            else:
+                for i, op in enumerate(self.plan.ops):
+                    self.queues.submit(op.queue, partial(self._issue_and_sync, run, i)).wait()
+                    if run.failed.is_set():
+                        break
+            for i, event in enumerate(run.events):  # all that was issued finishes before run returns or raises
+                if event is not None:
+                    try:
+                        event.synchronize()
+                    except BaseException as exc:
+                        if not run.failed.is_set():  # not raised by an op's work: record it here
+                            run.fail(i, exc)
+        finally:
+            lock.release()
+        if run.failures:
+            raise min(run.failures, key=lambda f: f[0])[1]
+        assert all(s is not None for s in run.spans), "an op of a run without failures did not run"
+        return run.spans  # type: ignore[return-value]
 
-        def timed(i: int) -> None:
-            op = self.plan.ops[i]
-            start = time.perf_counter()
-            self._run_op(i, op)
-            spans[i] = Span.of(op, start=start - origin, end=time.perf_counter() - origin)
 
-        if not overlap:
-            for i in range(len(self.plan.ops)):
-                timed(i)
-            return list(spans)  # type: ignore[arg-type]
-
-        done = [threading.Event() for _ in self.plan.ops]
-        failures: list[_Failure] = []
-        by_queue: dict[str, list[int]] = {}
-        for i, op in enumerate(self.plan.ops):
-            by_queue.setdefault(op.queue, []).append(i)
-
-        def worker(indices: list[int]) -> None:
-            for i in indices:
-                for d in self.plan.ops[i].deps:
-                    done[d].wait()
-                if failures:
-                    break  # another queue failed: stop at the next op boundary
-                try:
-                    timed(i)
-                except BaseException as exc:  # re-raised by run() on the caller's thread
-                    failures.append(_Failure(i, exc))
-                    for event in done:
-                        event.set()
-                    break
-                done[i].set()
-
-        threads = [threading.Thread(target=worker, args=(ix,), name=f"luwu-{q}", daemon=True) for q, ix in by_queue.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if failures:
-            first = min(failures, key=lambda f: f.op_index)
-            raise first.error
-        return list(spans)  # type: ignore[arg-type]
+def _device_of(store: TieredStore) -> torch.device:
+    arena = store.arenas.get("device")
+    return arena.buffer.device if arena is not None else torch.device("cpu")

@@ -1,5 +1,7 @@
 """The out-of-core engine against a plain PyTorch training loop on the same model."""
 
+import contextlib
+import functools
 import itertools
 import math
 
@@ -9,6 +11,7 @@ import torch
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
 from luwu_rt.engine.schedule import lr_at
+from luwu_rt.exec import Queues
 from luwu_rt.models.gpt import build_gpt
 
 STEPS = 20
@@ -81,10 +84,69 @@ def test_every_placement_matches_plain_pytorch(tmp_path, reference, placement) -
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=config_lr(engine) / 100)
 
 
-def test_tight_budgets_force_everything_through_nvme(tmp_path, reference) -> None:
+def _state(engine: Engine) -> dict[tuple[int, str], torch.Tensor]:
+    """Every unit's persistent state, read through the store."""
+    out = {}
+    for u in range(engine.chain.num_units):
+        n = engine.chain.num_unit_params(u)
+        for state in ("master", "exp_avg", "exp_avg_sq", "param"):
+            dtype = engine.param_dtype if state == "param" else torch.float32
+            out[u, state] = engine.store.read_state(u, state, torch.empty(n, dtype=dtype))
+    return out
+
+
+def _assert_bit_exact(a: Engine, b: Engine) -> None:
+    expect = _state(a)
+    for key, got in _state(b).items():
+        assert torch.equal(got, expect[key]), key
+
+
+def _plain_and_chaotic(chaos, make):
+    """``make(tag)`` twice: without chaos, then with it."""
+    with chaos.off():
+        plain = make("plain")
+    chaotic = make("chaos")
+    assert plain.executor.chaos is None and chaotic.executor.chaos is not None
+    assert chaotic.eval_executor.chaos is not None
+    return plain, chaotic
+
+
+def _deferred_device_streams(monkeypatch) -> None:
+    """Engines built from now on run their device queues on deferred streams (work runs some time after
+    it was issued, as on a GPU)."""
+    from luwu_rt.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "Queues", functools.partial(Queues, device_streams="deferred"))
+
+
+CHAOS_STEPS = 8
+CHAOS_PLACEMENTS = [(("nvme", "nvme", "nvme"), "host"), (("device", "host", "nvme"), "deferred"),
+                    (("host", "device", "host"), "deferred"), (("nvme", "host", "device"), "host")]
+
+
+@pytest.mark.parametrize("placement, streams", CHAOS_PLACEMENTS,
+                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+def test_placements_train_bit_for_bit_alike_under_chaos(tmp_path, reference, chaos, monkeypatch, placement,
+                                                        streams) -> None:
     batches, ref_losses, _ = reference
+    if streams == "deferred":
+        _deferred_device_streams(monkeypatch)
+    plain, chaotic = _plain_and_chaotic(chaos, lambda tag: Engine(None, _config(tmp_path / tag, placement)))
+    assert chaotic.queues.device_streams == streams
+    plain_losses = [plain.train_step(b)["loss"] for b in batches[:CHAOS_STEPS]]
+    losses = [chaotic.train_step(b)["loss"] for b in batches[:CHAOS_STEPS]]
+    assert losses == plain_losses
+    assert losses == pytest.approx(ref_losses[:CHAOS_STEPS], rel=1e-5)
+    _assert_bit_exact(plain, chaotic)
+
+
+@pytest.mark.parametrize("chaotic", [False, True], ids=["plain", "chaos"])
+def test_tight_budgets_force_everything_through_nvme(tmp_path, request, reference, chaotic) -> None:
+    batches, ref_losses, _ = reference
+    request.getfixturevalue("chaos" if chaotic else "no_chaos")
     config = _config(tmp_path, ("auto", "auto", "auto"), offload={"device_mem": "4MiB", "host_mem": "6MiB"})
     engine = Engine(None, config)
+    assert (engine.executor.chaos is not None) == chaotic
     assert "nvme" in (engine.placement.params, engine.placement.optimizer, engine.placement.grads)
     assert engine.plan.count("Load") > 0
     losses = [engine.train_step(b)["loss"] for b in batches[:5]]
@@ -105,9 +167,22 @@ def test_grad_accumulation_equals_the_large_batch(tmp_path) -> None:
         assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
 
 
-def test_resume_is_exact(tmp_path) -> None:
+def test_grad_accumulation_is_bit_exact_under_chaos(tmp_path, chaos) -> None:
+    plain, chaotic = _plain_and_chaotic(chaos, lambda tag: Engine(None, _config(
+        tmp_path / tag, ("host", "nvme", "host"), batch_size=2, grad_accum=3)))
+    for _ in range(3):
+        expect, got = plain.train_step(), chaotic.train_step()
+        for key in ("loss", "grad_norm", "lr", "skipped", "kept_bytes"):  # all but the timings
+            assert got[key] == expect[key], key
+    _assert_bit_exact(plain, chaotic)
+
+
+@pytest.mark.parametrize("chaotic", [False, True], ids=["plain", "chaos"])
+def test_resume_is_exact(tmp_path, request, chaotic) -> None:
     config = _config(tmp_path, ("host", "nvme", "host"), steps=8)
-    straight = Engine(None, config)
+    chaos = request.getfixturevalue("chaos" if chaotic else "no_chaos")  # no_chaos gives None
+    with chaos.off() if chaos else contextlib.nullcontext():  # under chaos: the plain run against a chaotic one
+        straight = Engine(None, _config(tmp_path / "straight", ("host", "nvme", "host"), steps=8))
     straight_losses = [straight.train_step()["loss"] for _ in range(8)]
     first = Engine(None, config)
     losses = [first.train_step()["loss"] for _ in range(4)]
@@ -116,6 +191,8 @@ def test_resume_is_exact(tmp_path) -> None:
     assert resumed.step == 4
     losses += [resumed.train_step()["loss"] for _ in range(4)]
     assert losses == straight_losses
+    assert (resumed.executor.chaos is not None) == chaotic
+    _assert_bit_exact(straight, resumed)
 
 
 def test_evaluate_is_finite_and_learning_lowers_it(tmp_path) -> None:
@@ -177,3 +254,16 @@ def test_evaluate_runs_a_forward_plan_over_the_training_store(tmp_path, referenc
     with torch.no_grad():
         expect = float(chain.forward(x, y))
     assert engine.evaluate([(x, y)]) == pytest.approx(expect, rel=1e-6)
+
+
+@pytest.mark.parametrize("streams", ["host", "deferred"])
+def test_evaluate_is_bit_exact_under_chaos(tmp_path, reference, chaos, monkeypatch, streams) -> None:
+    batches, _, _ = reference
+    if streams == "deferred":
+        _deferred_device_streams(monkeypatch)
+    plain, chaotic = _plain_and_chaotic(chaos, lambda tag: Engine(None, _config(tmp_path / tag,
+                                                                                ("nvme", "host", "host"))))
+    for engine in (plain, chaotic):
+        for batch in batches[:2]:
+            engine.train_step(batch)
+    assert chaotic.evaluate(batches[5:7]) == plain.evaluate(batches[5:7])

@@ -2,6 +2,10 @@
 forward keeps its autograd graph trains exactly like a recomputed one, also when the plan reuses the
 unit's parameter slot on the device between its forward and its backward."""
 
+import math
+import threading
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,6 +52,29 @@ def _train(config: TrainConfig) -> tuple[Engine, list[dict]]:
     return engine, [engine.train_step(b) for b in _batches(config)]
 
 
+@pytest.fixture(params=[False, True], ids=["plain", "chaos"])
+def chaotic(request):
+    """Each equivalence test runs plain and under chaos; under chaos, ``check_chaos`` also requires
+    the chaotic run to equal a plain one bit for bit."""
+    chaos = request.getfixturevalue("chaos" if request.param else "no_chaos")  # no_chaos gives None
+
+    def check(config: TrainConfig, engine: Engine, metrics: list[dict]) -> None:
+        if chaos is None:
+            return
+        assert engine.executor.chaos is not None
+        with chaos.off():
+            plain, plain_metrics = _train(replace(config, offload=replace(
+                config.offload, nvme_dir=config.offload.nvme_dir + "-plain")))
+        assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
+        for u in range(engine.chain.num_units):
+            n = engine.chain.num_unit_params(u)
+            for state in ("master", "exp_avg", "exp_avg_sq", "param"):
+                assert torch.equal(engine.store.read_state(u, state, torch.empty(n)),
+                                   plain.store.read_state(u, state, torch.empty(n))), (u, state)
+
+    return check
+
+
 def _assert_same_training(a: Engine, a_metrics, b: Engine, b_metrics) -> None:
     assert [m["loss"] for m in a_metrics] == pytest.approx([m["loss"] for m in b_metrics], rel=1e-6)
     for u in range(a.chain.num_units):
@@ -57,8 +84,10 @@ def _assert_same_training(a: Engine, a_metrics, b: Engine, b_metrics) -> None:
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, grad_accum) -> None:
-    kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", grad_accum=grad_accum))
+def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, grad_accum, chaotic) -> None:
+    config = _config(tmp_path / "k", keep="all", grad_accum=grad_accum)
+    kept, kept_metrics = _train(config)
+    chaotic(config, kept, kept_metrics)
     recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", grad_accum=grad_accum))
     last = kept.chain.num_units - 1
     assert kept.compute.config.keep_graph == frozenset(range(last))
@@ -74,8 +103,10 @@ def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, g
     assert all(m["kept_bytes"] == 0 for m in rec_metrics)
 
 
-def test_device_resident_params_need_no_snapshot(tmp_path) -> None:
-    kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", params="device", device_mem="64MiB"))
+def test_device_resident_params_need_no_snapshot(tmp_path, chaotic) -> None:
+    config = _config(tmp_path / "k", keep="all", params="device", device_mem="64MiB")
+    kept, kept_metrics = _train(config)
+    chaotic(config, kept, kept_metrics)
     recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", params="device", device_mem="64MiB"))
     assert kept.compute.snapshot_bytes == 0
     # Activations only: the parameters the graphs save are the arena's own bytes.
@@ -83,9 +114,11 @@ def test_device_resident_params_need_no_snapshot(tmp_path) -> None:
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
 
 
-def test_params_kept_resident_from_f_to_b_need_no_snapshot(tmp_path) -> None:
+def test_params_kept_resident_from_f_to_b_need_no_snapshot(tmp_path, chaotic) -> None:
     # A roomy device budget: the plan loads each unit's parameters once and frees them after its backward.
-    kept, kept_metrics = _train(_config(tmp_path / "k", keep="all", device_mem="64MiB"))
+    config = _config(tmp_path / "k", keep="all", device_mem="64MiB")
+    kept, kept_metrics = _train(config)
+    chaotic(config, kept, kept_metrics)
     recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", device_mem="64MiB"))
     assert kept.placement.params == "host" and params_at_risk(kept.plan) == frozenset()
     assert kept.compute.snapshot_bytes == 0
@@ -106,26 +139,36 @@ def test_bad_keep_graphs_is_a_clear_error(tmp_path, bad) -> None:
         _config(tmp_path, keep=bad)
 
 
-def test_units_compute_on_one_long_lived_thread_and_errors_reach_the_caller(tmp_path) -> None:
-    import threading
-
-    from luwu_rt.engine import compute
-
+def test_units_compute_on_one_persistent_queue_thread_and_errors_reach_the_caller(tmp_path) -> None:
     engine = Engine(None, _config(tmp_path, keep="all", device_mem="64MiB"))
-    threads = set()
-    run = engine.compute._run
+    threads: list[threading.Thread] = []
+    run = engine.chain.run
 
-    def recording(op, views):
-        threads.add(threading.get_ident())
-        run(op, views)
+    def recording(index, x, ctx):
+        threads.append(threading.current_thread())
+        return run(index, x, ctx)
 
-    engine.compute._run = recording
-    for batch in _batches(engine.config)[:2]:
+    engine.chain.run = recording
+    batches = _batches(engine.config)
+    for batch in batches[:2]:
         engine.train_step(batch)
-    assert len(threads) == 1 and threading.get_ident() not in threads  # the same thread, step after step
-    with pytest.raises(RuntimeError, match="boom"):
-        compute._COMPUTE_THREAD.call(_raise, RuntimeError("boom"))
+    engine.evaluate([batches[2][0]])
+    # Training and evaluation compute on the compute queue's thread, the same one step after step.
+    assert len(set(threads)) == 1 and threads[0] is engine.queues.threads()["compute"]
+    assert threads[0] is not threading.current_thread()
 
+    def boom(index, x, ctx):
+        raise RuntimeError(f"boom in unit {index}")
 
-def _raise(exc: BaseException) -> None:
-    raise exc
+    engine.chain.run = boom
+    with pytest.raises(RuntimeError, match="boom in unit 0"):
+        engine.train_step(batches[3])
+    queue_threads = engine.queues.threads().values()
+    assert all(t.is_alive() for t in queue_threads)  # a failed step leaves the queues to the next one
+    engine.chain.run = run
+    assert math.isfinite(engine.evaluate([batches[3][0]]))
+    with engine:
+        pass  # the context manager closes it
+    assert not any(t.is_alive() for t in queue_threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.train_step(batches[0])
