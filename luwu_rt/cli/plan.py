@@ -3,7 +3,9 @@
 Plans one training step with the pure planner (no GPU, no IO) and prints the
 placement, the peak bytes per tier, the bytes moved per step and the predicted
 step time with its bottleneck; or the memory it would take to fit. Exit status 1
-when the model does not fit.
+when the model does not fit. For ``--strategy node`` it also plans the optimizer
+node's side and simulates both together. Strategies that ``luwu train`` cannot
+run yet are planned all the same, and the output says that it is a plan only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ from pathlib import Path
 __all__ = ["add_arguments", "run"]
 
 _TIER_CHOICES = ("device", "host", "nvme", "auto")
+_NODE_TIER_CHOICES = ("host", "nvme", "auto")
+_NODE_FLAGS = ("node_shards", "node_host_mem", "node_nvme_size", "node_offload_params", "node_offload_optimizer",
+               "node_offload_grads")
+_SHOW_OPS_HELP = (
+    "also print N ops of the plan, in plan order (one valid execution order), from --ops-from: index, predicted "
+    "start and end (µs from the step's start, ms for steps over a second; by the cost model), kind, queue, "
+    "reads -> writes, deps. With prefetch an op may start before ops listed above it end: a load or "
+    "all-gather that starts before the compute listed above it ends is marked 'prefetch' (e.g. --strategy "
+    "zero3 --world-size 8 --show-ops 40 shows the gathers of B(k-1) starting during B(k))")
 
 
 def _default_host_bytes() -> int:
@@ -25,7 +36,7 @@ def _default_host_bytes() -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from luwu_rt.models.presets import PRESETS
-    from luwu_rt.plan.spec import STRATEGIES
+    from luwu_rt.plan.spec import RUNNABLE_STRATEGIES, STRATEGIES
 
     parser.add_argument("--model", default="gpt-tiny", choices=list(PRESETS), metavar="PRESET",
                         help=f"built-in model preset ({', '.join(PRESETS)}); default gpt-tiny")
@@ -36,8 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NVMe budget instead of the free space of --nvme-dir (e.g. to plan for another box)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--strategy", default=None, choices=STRATEGIES,
-                        help="data-parallel strategy (default: local for one rank, ddp for more)")
-    parser.add_argument("--group-size", type=int, default=0, help="hsdp: ranks per sharding group (default min(8, N))")
+                        help=f"data-parallel strategy (default: local for one rank, ddp for more); `luwu train` runs "
+                             f"{', '.join(RUNNABLE_STRATEGIES)} today, the others are planned and predicted only")
+    parser.add_argument("--shard-group-size", "--group-size", dest="shard_group_size", type=int, default=None,
+                        metavar="G", help="hsdp: ranks per sharding group, e.g. the GPUs of one server "
+                                          "(default min(8, N)); --group-size is an alias")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the preset's maximum)")
     parser.add_argument("--grad-accum", type=int, default=1,
@@ -46,10 +60,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--offload-{state}", default="auto", choices=_TIER_CHOICES,
                             help=f"home tier of the {state} (default auto: fastest placement that fits)")
     parser.add_argument("--chunk-size", default="64MiB", help="storage chunk size, a multiple of 4KiB (default 64MiB)")
+    node = parser.add_argument_group("optimizer node (--strategy node)")
+    node.add_argument("--node-shards", type=int, default=None, metavar="K",
+                      help="optimizer node processes that split the chunks, each with its own NIC and budgets "
+                           "(default 1)")
+    node.add_argument("--node-host-mem", default=None,
+                      help="host memory of each node process (default: this machine's RAM)")
+    node.add_argument("--node-nvme-size", default=None, help="NVMe space of each node process (default: none)")
+    for state in ("params", "optimizer", "grads"):
+        node.add_argument(f"--node-offload-{state}", default=None, choices=_NODE_TIER_CHOICES,
+                          help=f"home tier of the node's {state} (default auto: fastest that fits)")
     parser.add_argument("--profile", default=None, metavar="JSON",
-                        help="hardware profile (bandwidths, FLOP/s) as written by `luwu bench`; default: built-in")
+                        help="hardware profile (bandwidths, latencies, FLOP/s) as written by `luwu bench`; "
+                             "default: built-in")
     parser.add_argument("--policy", default="belady", choices=("belady", "lru"), help="eviction policy (default belady)")
-    parser.add_argument("--show-ops", type=int, default=0, metavar="N", help="also print the first N ops of the plan")
+    parser.add_argument("--show-ops", type=int, default=0, metavar="N", help=_SHOW_OPS_HELP)
+    parser.add_argument("--ops-from", default="0", metavar="I|backward",
+                        help="first op --show-ops prints: an op index, or 'backward' for the ops after the last "
+                             "forward compute (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -66,10 +94,23 @@ def _nvme_budget(args: argparse.Namespace) -> int:
     return shutil.disk_usage(path).free
 
 
+def _strategy(args: argparse.Namespace):
+    from luwu_rt.plan import Strategy
+
+    name = args.strategy or ("local" if args.world_size == 1 else "ddp")
+    if args.shard_group_size is not None and name != "hsdp":
+        raise ValueError(f"--shard-group-size applies to --strategy hsdp only, not {name}")
+    given = [f"--{f.replace('_', '-')}" for f in _NODE_FLAGS if getattr(args, f) is not None]
+    if given and name != "node":
+        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --strategy node only, "
+                         f"not {name}")
+    return Strategy(name=name, world_size=args.world_size, group_size=args.shard_group_size or 0)
+
+
 def run(args: argparse.Namespace) -> int:
     from luwu_rt.models.presets import get_preset
-    from luwu_rt.plan import (Budgets, DoesNotFit, HardwareProfile, Placement, Strategy, gpt_model_spec,
-                              parse_size, plan_auto, validate)
+    from luwu_rt.plan import (RUNNABLE_STRATEGIES, Budgets, DoesNotFit, HardwareProfile, Placement, estimate,
+                              gpt_model_spec, parse_size, plan_auto, validate)
 
     shape = get_preset(args.model)
     model = gpt_model_spec(shape, batch_size=args.batch_size, seq_len=args.seq_len, num_micro_batches=args.grad_accum,
@@ -77,43 +118,70 @@ def run(args: argparse.Namespace) -> int:
     budgets = Budgets(device_bytes=parse_size(args.device_mem),
                       host_bytes=parse_size(args.host_mem) if args.host_mem else _default_host_bytes(),
                       nvme_bytes=_nvme_budget(args))
-    strategy = Strategy(name=args.strategy or ("local" if args.world_size == 1 else "ddp"),
-                        world_size=args.world_size, group_size=args.group_size)
+    strategy = _strategy(args)
     placement = Placement(params=args.offload_params, optimizer=args.offload_optimizer, grads=args.offload_grads)
     profile = HardwareProfile.from_json(args.profile) if args.profile else HardwareProfile()
     head = {"model": shape.name, "params": model.num_params, "strategy": strategy.name,
             "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
-            "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes}}
+            "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
+            "runnable": strategy.name in RUNNABLE_STRATEGIES}
     try:
         result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
                            policy=args.policy)
+        node = _plan_node(args, model, strategy, profile) if strategy.name == "node" else None
     except DoesNotFit as exc:
         reason = str(exc)
         if not budgets.nvme_bytes and "nvme_bytes" in exc.needs:
             reason += " (pass --nvme-dir to plan with an NVMe tier)"
+        if "node_nvme_bytes" in exc.needs and args.node_nvme_size is None:
+            reason += " (pass --node-nvme-size to give the node an NVMe tier)"
         report = {**head, "fits": False, "reason": reason, "needs": exc.needs}
         print(json.dumps(report, indent=2) if args.json else f"{_title(head)}\n{reason}")
         return 1
     validate(result.plan)  # never report a plan that breaks an invariant
-    report = {**head, "fits": True, **_describe(result)}
+    node_plan = None if node is None else node.plan
+    cost = estimate(result.plan, profile, node=node_plan) if node_plan is not None else result.cost
+    report = {**head, "fits": True, **_describe(result, cost)}
+    if node is not None:
+        validate(node.plan)
+        report["node"] = _describe_node(node, cost, model=model, num_shards=args.node_shards or 1)
     print(json.dumps(report, indent=2) if args.json else _text(head, report))
     if args.show_ops and not args.json:
-        from luwu_rt.plan import format_ops
-
-        print(f"\nfirst {min(args.show_ops, len(result.plan.ops))} ops (slot = byte offset in the tier's arena):")
-        print(format_ops(result.plan, stop=args.show_ops))
+        print(_show_ops(result.plan, profile, node=node_plan, count=args.show_ops, origin=args.ops_from))
     return 0
 
 
-def _describe(result) -> dict:
-    plan, cost = result.plan, result.cost
+def _plan_node(args: argparse.Namespace, model, strategy, profile):
+    from luwu_rt.plan import Budgets, Placement, parse_size, plan_node_auto
+
+    shards = args.node_shards if args.node_shards is not None else 1
+    if shards < 1:
+        raise ValueError(f"--node-shards must be at least 1, got {shards}")
+    budgets = Budgets(device_bytes=0,
+                      host_bytes=parse_size(args.node_host_mem) if args.node_host_mem else _default_host_bytes(),
+                      nvme_bytes=parse_size(args.node_nvme_size) if args.node_nvme_size else 0)
+    placement = Placement(params=args.node_offload_params or "auto", optimizer=args.node_offload_optimizer or "auto",
+                          grads=args.node_offload_grads or "auto")
+    return plan_node_auto(model, budgets=budgets, placement=placement, num_workers=strategy.world_size,
+                          num_shards=shards, profile=profile, policy=args.policy)
+
+
+def _states(plan) -> dict:
     state_bytes: dict[str, int] = {}
     for shard, info in plan.shards.items():
         state_bytes[shard.state] = state_bytes.get(shard.state, 0) + info.nbytes
+    return {s: {"tier": plan.homes[s], "bytes": b} for s, b in state_bytes.items()}
+
+
+def _placement(p) -> dict:
+    return {"params": p.params, "optimizer": p.optimizer, "grads": p.grads}
+
+
+def _describe(result, cost) -> dict:
+    plan = result.plan
     return {
-        "placement": {"params": result.placement.params, "optimizer": result.placement.optimizer,
-                      "grads": result.placement.grads},
-        "states": {s: {"tier": plan.homes[s], "bytes": b} for s, b in state_bytes.items()},
+        "placement": _placement(result.placement),
+        "states": _states(plan),
         "peak_bytes": dict(plan.peak_bytes),
         "io_bytes_per_step": {t: dict(v) for t, v in cost.io_bytes.items()},
         "predicted_step_s": cost.predicted_step_s,
@@ -121,6 +189,25 @@ def _describe(result) -> dict:
         "busy_s": dict(cost.busy_s),
         "num_ops": len(plan.ops),
         "policy": plan.policy,
+    }
+
+
+def _describe_node(node, cost, *, model, num_shards: int) -> dict:
+    from luwu_rt.plan import push_order
+
+    plan = node.plan
+    return {
+        "num_shards": num_shards,
+        "num_workers": plan.strategy.world_size,
+        "budgets": {"host": plan.budgets.host_bytes, "nvme": plan.budgets.nvme_bytes},
+        "placement": _placement(node.placement),
+        "states": _states(plan),
+        "peak_bytes": {t: plan.peak_bytes[t] for t in ("host", "nvme")},
+        "io_bytes_per_step": {t: dict(v) for t, v in cost.node_io_bytes.items() if t != "device"},
+        "busy_s": dict(cost.node_busy_s),
+        "step_s": cost.node_step_s,
+        "num_ops": len(plan.ops),
+        "serve_order": list(push_order(model)),
     }
 
 
@@ -142,21 +229,94 @@ def _title(head: dict) -> str:
             f"host {format_size(budgets['host'])}, nvme {nvme}")
 
 
-def _text(head: dict, r: dict) -> str:
+def _tables(r: dict, *, who: str, tiers: tuple[str, ...]) -> list[str]:
+    """The per-state and per-tier tables of one process (a worker rank or a node)."""
     from luwu_rt.plan import format_size
 
-    lines = [_title(head), "", "state        per rank    home"]
+    lines = [f"state        {who:>8}    home"]
     for state, info in r["states"].items():
         transient = "  (each unit's grads are freed after its update)" if state == "grad" else ""
         lines.append(f"{state:<12} {format_size(info['bytes']):>10}  {info['tier']}{transient}")
-    lines.append("")
-    lines.append("tier      peak bytes   read/step   write/step")
-    for tier, peak in r["peak_bytes"].items():
+    lines += ["", "tier      peak bytes   read/step   write/step"]
+    for tier in tiers:
         io = r["io_bytes_per_step"][tier]
-        lines.append(f"{tier:<8} {format_size(peak):>11} {format_size(io['read']):>11} {format_size(io['write']):>12}")
+        lines.append(f"{tier:<8} {format_size(r['peak_bytes'][tier]):>11} {format_size(io['read']):>11} "
+                     f"{format_size(io['write']):>12}")
+    return lines
+
+
+def _busy(busy: dict) -> str:
+    return ", ".join(f"{q} {s:.3g}s" for q, s in sorted(busy.items(), key=lambda kv: -kv[1]))
+
+
+def _text(head: dict, r: dict) -> str:
+    lines = [_title(head), ""] + _tables(r, who="per rank", tiers=tuple(r["peak_bytes"]))
     lines.append("")
-    busy = ", ".join(f"{q} {s:.3g}s" for q, s in sorted(r["busy_s"].items(), key=lambda kv: -kv[1]))
-    lines.append(f"predicted step time {r['predicted_step_s']:.3g} s, bottleneck {r['bottleneck']} (busy: {busy})")
+    lines.append(f"predicted step time {r['predicted_step_s']:.3g} s, bottleneck {r['bottleneck']} "
+                 f"(busy: {_busy(r['busy_s'])})")
     lines.append(f"{r['num_ops']} ops, eviction {r['policy']}")
+    if "node" in r:
+        lines += [""] + _node_text(r["node"])
+    if not head["runnable"]:
+        from luwu_rt.plan import RUNNABLE_STRATEGIES
+
+        lines += ["", f"plan only: `luwu train` cannot run strategy {head['strategy']} yet (it runs "
+                      f"{', '.join(RUNNABLE_STRATEGIES)}); the figures above are the cost model's prediction"]
     return "\n".join(lines)
 
+
+def _node_text(n: dict) -> list[str]:
+    from luwu_rt.plan import format_size
+
+    nvme = format_size(n["budgets"]["nvme"]) if n["budgets"]["nvme"] else "none"
+    procs = f"{n['num_shards']} processes, each" if n["num_shards"] > 1 else "1 process"
+    lines = [f"optimizer node: {procs} serving {n['num_workers']} workers; budgets host "
+             f"{format_size(n['budgets']['host'])}, nvme {nvme}", ""]
+    lines += _tables(n, who="per node", tiers=("host", "nvme"))
+    order = n["serve_order"]
+    lines += ["", f"node step {n['step_s']:.3g} s (busy: {_busy(n['busy_s'])}); units received, updated and served "
+                  f"in the order workers push them: unit {order[0]} first, unit {order[-1]} last",
+              f"{n['num_ops']} node ops"]
+    return lines
+
+
+def _show_ops(plan, profile, *, node, count: int, origin: str) -> str:
+    """``count`` ops from ``origin`` with predicted times; prefetched loads and gathers marked."""
+    from luwu_rt.plan import Compute, Gather, Load, format_ops, op_times
+
+    first = _first_op(plan, origin)
+    stop = min(first + count, len(plan.ops))
+    times = op_times(plan, profile, node=node)
+    # format_ops prints seconds as ms with three decimals; a step shorter than a second reads better
+    # in µs (a small model's ops take microseconds), so its times go in scaled by 1e-3.
+    fast = max((end for _, end in times), default=0.0) < 1.0
+    unit, scale = ("µs", 1e3) if fast else ("ms", 1.0)
+    lines = format_ops(plan, start=first, stop=stop, times=[(a * scale, b * scale) for a, b in times]).splitlines()
+    last_compute = None
+    for i in range(stop):
+        op = plan.ops[i]
+        if i >= first and isinstance(op, (Gather, Load)) and last_compute is not None \
+                and times[i][0] < times[last_compute][1]:
+            lines[i - first] += f"  <- prefetch: starts before {plan.ops[last_compute].name} ends"
+        if isinstance(op, Compute):
+            last_compute = i
+    where = f"first {stop - first}" if first == 0 else f"{stop - first}"
+    span = "" if first == 0 else f" from op {first} of {len(plan.ops)}"
+    return (f"\n{where} ops{span} (slot = byte offset in the tier's arena; times: predicted start and end, "
+            f"{unit} from the step's start):\n" + "\n".join(lines))
+
+
+def _first_op(plan, origin: str) -> int:
+    from luwu_rt.plan import Compute
+
+    if origin == "backward":
+        computes = [(i, op.name) for i, op in enumerate(plan.ops) if isinstance(op, Compute)]
+        first_b = next((i for i, name in computes if name.startswith("B")), None)
+        if first_b is None:
+            raise ValueError("--ops-from backward: this plan has no backward")
+        return max((i + 1 for i, name in computes if name.startswith("F") and i < first_b), default=0)
+    if not origin.isdigit():
+        raise ValueError(f"--ops-from {origin!r}: give an op index or 'backward'")
+    if int(origin) >= len(plan.ops):
+        raise ValueError(f"--ops-from {origin}: the plan has {len(plan.ops)} ops")
+    return int(origin)

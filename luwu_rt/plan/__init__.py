@@ -4,7 +4,10 @@ Frozen inputs (``ModelSpec``, ``Placement``, ``Budgets``, ``HardwareProfile``,
 ``Strategy``) go in; an immutable ``SwapPlan`` of ops with explicit dependencies
 comes out (``plan_step`` for a fixed placement, ``plan_auto`` to pick the
 fastest placement that fits); ``validate`` checks a plan's invariants and
-``estimate`` predicts its step time and IO. Standard library only: no torch,
+``estimate`` predicts its step time and IO (``op_times`` when each op runs).
+The optimizer node of strategy ``node`` has a plan of its own (``plan_node``,
+``plan_node_auto``), which ``estimate(worker_plan, profile, node=node_plan)``
+simulates beside the workers'. Standard library only: no torch,
 no native code, so users can unit-test their own schedules against it.
 
     from luwu_rt.plan import (Budgets, HardwareProfile, Placement, estimate, gpt_model_spec,
@@ -18,22 +21,26 @@ no native code, so users can unit-test their own schedules against it.
     print(estimate(plan, HardwareProfile()).predicted_step_s)  # seconds
 """
 
-from .cost import StepCost, estimate, op_seconds
+from .cost import StepCost, collective_seconds, estimate, op_seconds, op_times
 from .ops import (COMM_QUEUES, GLOBAL_UNIT, QUEUES, WORKSPACE_KINDS, Access, Collective, Compute, Free, Gather,
                   GradNorm, Load, NormReduce, Op, OptimStep, Pull, Push, Recv, Reduce, Serve, ShardId, ShardInfo, Store,
                   SwapPlan, Wait, format_ops)
+from .node import node_lower_bounds, plan_node, push_order
 from .planner import POLICIES, lower_bounds, plan_step
-from .search import DoesNotFit, PlanResult, plan_auto
+from .search import DoesNotFit, PlanResult, plan_auto, plan_node_auto
 from .sizes import format_size, parse_size
 from .gpt import gpt_model_spec
-from .spec import STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy, UnitSpec
+from .spec import (RUNNABLE_STRATEGIES, STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement,
+                   Strategy, UnitSpec)
 from .validate import PlanError, validate
 
 __all__ = [
     "COMM_QUEUES", "Collective", "GLOBAL_UNIT", "GradNorm", "NormReduce", "Recv", "Serve", "WORKSPACE_KINDS", "Wait",
     "Access", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
     "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce",
-    "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy", "SwapPlan", "TIERS",
-    "UnitSpec", "estimate", "format_ops", "format_size", "gpt_model_spec", "lower_bounds", "op_seconds", "parse_size",
-    "plan_auto", "plan_step", "validate",
+    "RUNNABLE_STRATEGIES", "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy",
+    "SwapPlan", "TIERS",
+    "UnitSpec", "collective_seconds", "estimate", "format_ops", "format_size", "gpt_model_spec", "lower_bounds",
+    "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
+    "push_order", "validate",
 ]

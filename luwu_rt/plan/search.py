@@ -5,7 +5,8 @@ Candidates whose lower bounds (``planner.lower_bounds``) exceed a budget are
 dropped without planning; the rest are planned fastest tiers first, and a
 candidate is skipped once a planned one keeps every state on a tier at least as
 fast (it could only move more bytes). The survivor with the smallest predicted
-step time wins.
+step time wins. ``plan_node_auto`` does the same for an optimizer node's
+placement, over the node's tiers (host and NVMe) and its step time on its own.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import itertools
 from dataclasses import dataclass
 
 from .cost import StepCost, estimate
+from .node import NODE_TIERS, node_lower_bounds, plan_node
 from .ops import SwapPlan
 from .planner import effective_placement, lower_bounds, plan_step
 from .sizes import format_size
 from .spec import TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
-__all__ = ["DoesNotFit", "PlanResult", "plan_auto"]
+__all__ = ["DoesNotFit", "PlanResult", "plan_auto", "plan_node_auto"]
 
 _FIELDS = ("params", "optimizer", "grads")
 
@@ -40,8 +42,8 @@ class PlanResult:
     """The placement planned, ``auto`` fields resolved."""
 
 
-def _candidates(placement: Placement, strategy: Strategy) -> list[Placement]:
-    options = [TIERS if getattr(placement, f) == "auto" else (getattr(placement, f),) for f in _FIELDS]
+def _candidates(placement: Placement, strategy: Strategy, tiers: tuple[str, ...] = TIERS) -> list[Placement]:
+    options = [tiers if getattr(placement, f) == "auto" else (getattr(placement, f),) for f in _FIELDS]
     out = {effective_placement(Placement(**dict(zip(_FIELDS, combo))), strategy): None
            for combo in itertools.product(*options)}
     return sorted(out, key=_rank)
@@ -116,3 +118,54 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
     if errors:
         message += f" [closest attempt: {errors[-1]}]"
     return DoesNotFit(message, needs=needs)
+
+
+def plan_node_auto(model: ModelSpec, *, budgets: Budgets, num_workers: int, placement: Placement = Placement(),
+                   num_shards: int = 1, profile: HardwareProfile = HardwareProfile(),
+                   policy: str = "belady") -> PlanResult:
+    """Plan one optimizer node process's step (``node.plan_node``), resolving ``auto`` fields of ``placement``
+    to host or NVMe: the candidate with the shortest step of the node on its own wins.
+
+    Raises ``DoesNotFit`` (a ``ValueError``) stating the node memory that would make it fit."""
+    bad = [f"{f}={getattr(placement, f)}" for f in _FIELDS if getattr(placement, f) not in NODE_TIERS + ("auto",)]
+    if bad:
+        raise ValueError(f"node placement {', '.join(bad)}: an optimizer node keeps its states on host or nvme")
+    best: PlanResult | None = None
+    planned: list[Placement] = []
+    errors: list[str] = []
+    candidates = _candidates(placement, Strategy(), NODE_TIERS)
+    for cand in candidates:
+        if any(_dominates(p, cand) for p in planned):
+            continue
+        if not _fits(node_lower_bounds(model, placement=cand, num_shards=num_shards), budgets):
+            continue
+        try:
+            plan = plan_node(model, budgets=budgets, placement=cand, num_workers=num_workers, num_shards=num_shards,
+                             policy=policy)
+        except ValueError as exc:
+            errors.append(str(exc))
+            continue
+        planned.append(cand)
+        cost = estimate(plan, profile)
+        if best is None or cost.predicted_step_s < best.cost.predicted_step_s:
+            best = PlanResult(plan=plan, cost=cost, placement=cand)
+    if best is not None:
+        return best
+    bounds = {c: node_lower_bounds(model, placement=c, num_shards=num_shards) for c in candidates}
+    needs: dict[str, int] = {}
+    parts = []
+    in_memory = [c for c in candidates if "nvme" not in (c.params, c.optimizer, c.grads)]
+    if in_memory:
+        needs["node_host_bytes"] = min(bounds[c]["host"] for c in in_memory)
+        parts.append(f"{format_size(needs['node_host_bytes'])} of host memory")
+    on_nvme = [c for c in candidates if "nvme" in (c.params, c.optimizer)]
+    if on_nvme:
+        c = min(on_nvme, key=lambda c: (bounds[c]["host"], bounds[c]["nvme"]))
+        needs["node_nvme_bytes"], needs["node_nvme_host_bytes"] = bounds[c]["nvme"], bounds[c]["host"]
+        parts.append(f"{format_size(needs['node_nvme_bytes'])} of NVMe (with "
+                     f"{format_size(needs['node_nvme_host_bytes'])} of host memory)")
+    each = f"each of {num_shards} optimizer node processes" if num_shards > 1 else "the optimizer node"
+    message = f"{each} does not fit: needs at least " + " or ".join(parts)
+    if errors:
+        message += f" [closest attempt: {errors[-1]}]"
+    raise DoesNotFit(message, needs=needs)

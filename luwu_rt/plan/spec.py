@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "STRATEGIES", "ALIGN_BYTES",
+    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "STRATEGIES", "RUNNABLE_STRATEGIES", "ALIGN_BYTES",
     "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy",
 ]
 
@@ -24,6 +24,10 @@ PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
 """Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it."""
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
+RUNNABLE_STRATEGIES = ("local",)
+"""Strategies ``luwu train`` can run today; ``luwu plan`` says so for the others, whose plans are
+predictions only. The distributed-strategies issue (ddp, zero1/2/3, hsdp) and the node issue (node)
+extend it as their executors land."""
 PLACEMENT_CHOICES = ("device", "host", "nvme", "auto")
 ALIGN_BYTES = 4096
 """O_DIRECT alignment: every state buffer and chunk is a multiple of this."""
@@ -169,8 +173,9 @@ class Budgets:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HardwareProfile:
-    """Throughputs the cost model divides by. The defaults describe a single-GPU server with
-    one PCIe 4 NVMe drive; ``luwu bench`` measures the real ones (``from_json``)."""
+    """Throughputs and latencies the cost model uses. The defaults describe a single-GPU server with
+    one PCIe 4 NVMe drive, servers of 8 GPUs on a 100 Gb/s-per-GPU network, and a CPU optimizer node
+    on 100 Gb/s Ethernet; ``luwu bench`` measures the real ones (``from_json``)."""
 
     nvme_read_gbps: float = 3.0
     """NVMe -> host, GB/s (1e9 bytes/s), O_DIRECT with a deep queue."""
@@ -187,10 +192,44 @@ class HardwareProfile:
     compute_flops: float = 100e12
     """Sustained device FLOP/s of bf16 training (about a third of an A100's peak)."""
     net_gbps: float = 10.0
-    """Per-rank collective bandwidth (bus bandwidth), GB/s."""
+    """Per-rank bandwidth of the network between ranks (groups ``world`` and ``replica``), GB/s: the beta
+    term of [Note: collective cost] in cost.py (100 Gb/s InfiniBand or RoCE per GPU)."""
+    net_latency_s: float = 10e-6
+    """Latency of one message step on that network, seconds: the alpha term that each ring or tree
+    step pays, which dominates small collectives such as the norm's all-reduce."""
+    group_gbps: float = 100.0
+    """Per-rank bandwidth inside a hsdp sharding group (group ``shard``: the ranks of one server, over
+    NVLink or PCIe peer-to-peer), GB/s; hsdp pays ``net_gbps`` only for the replica all-reduce."""
+    group_latency_s: float = 3e-6
+    """Latency of one message step inside a sharding group, seconds."""
+    host_mem_gbps: float = 50.0
+    """Host memory bandwidth of one streaming pass (the gradient norm read on the host CPU), GB/s;
+    PERFORMANCE.md measures ~54 on 2 AVX-512 cores."""
+    device_mem_gbps: float = 1500.0
+    """Device memory bandwidth of one streaming pass (the gradient norm on the device), GB/s."""
+    node_gbps: float = 12.5
+    """NIC of one optimizer node process (strategy ``node``), GB/s: the pushes and pulls of all N workers
+    share it, so each worker gets ``min(net_gbps, node_gbps * node shards / N)`` (100 Gb/s Ethernet)."""
+    node_latency_s: float = 50e-6
+    """Latency of one message between a worker and an optimizer node, or between node shards (ZeroMQ
+    over TCP), seconds."""
+    node_optim_params_per_s: float = 3e9
+    """Fused CPU AdamW on an optimizer node, parameters/s: a CPU server with more memory channels than a
+    GPU host spends on its optimizer (memory bound at 28 bytes per parameter)."""
+    node_mem_gbps: float = 50.0
+    """Memory bandwidth of the node's passes over gradients, GB/s: summing the N pushes of a unit into its
+    fp32 gradient (each push read, the sum read and written) and the gradient norm."""
+    node_nvme_read_gbps: float = 3.0
+    """The optimizer node's NVMe -> host reads, GB/s."""
+    node_nvme_write_gbps: float = 2.0
+    """The optimizer node's host -> NVMe writes, GB/s."""
 
     def __post_init__(self) -> None:
-        _check_positive("HardwareProfile", **{f.name: getattr(self, f.name) for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        _check_positive("HardwareProfile", **{k: v for k, v in values.items() if not k.endswith("_latency_s")})
+        for name in (k for k in values if k.endswith("_latency_s")):
+            if not values[name] >= 0:  # zero latency is a valid what-if; NaN is not
+                raise ValueError(f"HardwareProfile.{name} must not be negative, got {values[name]}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "HardwareProfile":

@@ -83,3 +83,119 @@ def test_show_ops_lists_the_plan(capsys):
     out = capsys.readouterr().out
     listing = out[out.index("first 5 ops"):].splitlines()[1:]
     assert len(listing) == 5 and "Load" in listing[0] and "param[0.0]:host@0 -> param[0.0]:device@" in listing[0]
+
+
+# -- strategies the engine cannot run yet, hsdp's group flag, the optimizer node, predicted op times -----------
+
+def test_strategies_luwu_train_cannot_run_are_marked(capsys):
+    from luwu_rt.plan import RUNNABLE_STRATEGIES
+
+    assert "local" in RUNNABLE_STRATEGIES
+    code, out = run_json(capsys, "--model", "gpt-tiny", "--host-mem", "1GiB")
+    assert code == 0 and out["runnable"] is True
+    assert main(["plan", "--host-mem", "1GiB"]) == 0 and "plan only" not in capsys.readouterr().out
+    for strategy in ("zero3", "node"):
+        if strategy in RUNNABLE_STRATEGIES:
+            continue
+        code, out = run_json(capsys, "--strategy", strategy, "--world-size", "2", "--host-mem", "1GiB")
+        assert code == 0 and out["runnable"] is False and out["fits"] is True
+        assert main(["plan", "--strategy", strategy, "--world-size", "2", "--host-mem", "1GiB"]) == 0
+        text = capsys.readouterr().out
+        assert f"plan only: `luwu train` cannot run strategy {strategy} yet" in text
+    # A plan that does not fit still says whether the strategy could run.
+    code, out = run_json(capsys, "--model", "gpt-175b", "--strategy", "zero3", "--world-size", "8",
+                         "--host-mem", "1GiB")
+    assert code == 1 and out["runnable"] is False
+
+
+def test_shard_group_size_and_its_alias(capsys):
+    base = ("--strategy", "hsdp", "--world-size", "8", "--host-mem", "1GiB")
+    outs = [run_json(capsys, *base, flag, "2")[1] for flag in ("--shard-group-size", "--group-size")]
+    assert outs[0] == outs[1] and outs[0]["busy_s"].get("reduce_cross", 0) > 0
+    default = run_json(capsys, *base)[1]  # min(8, N) = 8: one group, nothing to all-reduce across groups
+    assert "reduce_cross" not in default["busy_s"]
+    assert main(["plan", "--strategy", "zero3", "--world-size", "8", "--shard-group-size", "2"]) == 2
+    assert "--shard-group-size applies to --strategy hsdp only" in capsys.readouterr().err
+    assert main(["plan", "--strategy", "hsdp", "--world-size", "8", "--shard-group-size", "3"]) == 2
+    assert "must divide world_size=8" in capsys.readouterr().err
+
+
+NODE_ARGS = ("--strategy", "node", "--world-size", "4", "--host-mem", "1GiB", "--node-host-mem", "1GiB")
+
+
+def test_node_strategy_plans_the_node_and_feeds_it_into_the_estimate(capsys):
+    code, out = run_json(capsys, *NODE_ARGS, "--node-shards", "2")
+    assert code == 0 and FIELDS <= set(out)
+    node = out["node"]
+    assert {"num_shards", "num_workers", "budgets", "placement", "states", "peak_bytes", "io_bytes_per_step", "busy_s",
+            "step_s", "num_ops", "serve_order"} <= set(node)
+    assert node["num_shards"] == 2 and node["num_workers"] == 4 and node["serve_order"] == [5, 4, 3, 2, 1, 0]
+    assert node["placement"] == {"params": "host", "optimizer": "host", "grads": "host"}
+    assert {"push", "pull", "optim", "reduce"} <= set(node["busy_s"]) and node["step_s"] > 0
+    assert node["peak_bytes"]["host"] <= 2**30 and node["states"]["master"]["tier"] == "host"
+    # The worker's prediction includes the node: a slower node optimizer shows in it.
+    assert out["predicted_step_s"] >= max(node["busy_s"].values())
+    assert main(["plan", *NODE_ARGS]) == 0
+    text = capsys.readouterr().out
+    assert "optimizer node: 1 process serving 4 workers" in text
+    assert "units received, updated and served in the order workers push them: unit 5 first, unit 0 last" in text
+
+
+def test_node_state_goes_to_nvme_when_node_memory_is_short(capsys):
+    code, out = run_json(capsys, *NODE_ARGS[:-1], "4MiB", "--node-nvme-size", "1GiB")
+    assert code == 0 and out["node"]["placement"]["optimizer"] == "nvme"
+    assert out["node"]["io_bytes_per_step"]["nvme"]["read"] > 0
+    code, out = run_json(capsys, *NODE_ARGS[:-1], "4MiB")
+    assert code == 1 and out["fits"] is False
+    assert "optimizer node does not fit" in out["reason"] and "--node-nvme-size" in out["reason"]
+    assert out["needs"]["node_host_bytes"] > 4 * 2**20
+
+
+def test_node_flags_need_the_node_strategy(capsys):
+    assert main(["plan", "--strategy", "zero3", "--world-size", "2", "--node-shards", "2"]) == 2
+    assert "--node-shards applies to --strategy node only" in capsys.readouterr().err
+
+
+def _listing(out: str) -> list[list[str]]:
+    head = next(i for i, line in enumerate(out.splitlines()) if "(slot = byte offset" in line)
+    return [line.split() for line in out.splitlines()[head + 1:] if line.strip()]
+
+
+def test_show_ops_shows_gathers_prefetched_during_backward(capsys):
+    """The issue's check: `luwu plan --strategy zero3 --world-size 8 --show-ops 40` shows an all-gather for
+    B(k-1) that starts before B(k) ends."""
+    assert main(["plan", "--strategy", "zero3", "--world-size", "8", "--show-ops", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "first 40 ops" in out and "µs from the step's start" in out
+    rows = _listing(out)
+    assert len(rows) == 40
+    backward_end, prefetched = None, []
+    for index, start, end, kind, queue, *rest in rows:
+        if kind == "Compute" and rest[0].startswith("B"):
+            backward_end = (rest[0], float(end))
+        if kind == "Gather" and backward_end is not None and float(start) < backward_end[1]:
+            prefetched.append((index, rest, backward_end[0]))
+            assert queue == "gather" and "prefetch: starts before" in " ".join(rest)
+    assert prefetched, out
+    index, rest, during = prefetched[0]
+    assert int(rest[rest.index("unit") + 1]) == int(during[1:]) - 1  # B(k-1)'s parameters, gathered during B(k)
+
+
+def test_show_ops_can_start_at_the_backward(capsys):
+    assert main(["plan", "--model", "gpt-small", "--strategy", "zero3", "--world-size", "8", "--show-ops", "12",
+                 "--ops-from", "backward"]) == 0
+    out = capsys.readouterr().out
+    rows = _listing(out)
+    assert len(rows) == 12 and "from op" in out
+    kinds = [(r[3], r[5] if r[3] == "Compute" else "") for r in rows]
+    assert ("Compute", "B13") in kinds or any(k == "Gather" for k, _ in kinds)
+    assert not any(name.startswith("F") for _, name in kinds)
+    assert main(["plan", "--show-ops", "5", "--ops-from", "soon"]) == 2
+    assert "give an op index or 'backward'" in capsys.readouterr().err
+
+
+def test_show_ops_times_include_the_node(capsys):
+    assert main(["plan", *NODE_ARGS, "--show-ops", "400"]) == 0
+    rows = _listing(capsys.readouterr().out)
+    pulls = [r for r in rows if r[3] == "Wait" and r[4] == "pull"]
+    assert pulls and all(float(r[2]) >= float(r[1]) for r in rows)
