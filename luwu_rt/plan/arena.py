@@ -31,7 +31,7 @@ class Arena:
         return holes
 
     def alloc(self, nbytes: int) -> tuple[int, tuple[int, ...]] | None:
-        """(offset, frees to depend on) of the hole that fits and was freed longest ago, the
+        """(offset, frees to depend on) of the place that fits and was freed longest ago, in the
         smallest such hole on a tie (best fit keeps large holes for large shards), or None.
 
         [Note: reuse the oldest free bytes]
@@ -39,26 +39,31 @@ class Arena:
         the bytes freed earliest (never-used bytes first) keeps that false dependency as far
         back as the budget allows, so a prefetch can start early instead of waiting for the
         op that happens to free a hole of exactly the right size (best fit alone would chain
-        each unit's loads to the previous unit's optimizer step)."""
+        each unit's loads to the previous unit's optimizer step). A hole is a run of touching
+        segments freed at different times, so the copy may go anywhere in it: its candidate
+        places start or end at a segment boundary (the just-freed bytes at a hole's start
+        would otherwise chain zero3's every forward gather to the previous unit's compute)."""
         segs = self._segments
-        best: tuple[int, int, int, int] | None = None  # (newest free, hole length, first seg, last seg)
-        for length, i, _j in self._holes():
+        best: tuple[int, int, int] | None = None  # (newest free covered, hole length, start)
+        for length, i, j in self._holes():
             if length < nbytes:
                 continue
-            end, k, newest = segs[i][0] + nbytes, i, -1
-            while True:
-                newest = max(newest, -1 if segs[k][2] is None else segs[k][2])
-                if segs[k][1] >= end:
-                    break
-                k += 1
-            if best is None or (newest, length) < best[:2]:
-                best = (newest, length, i, k)
+            lo, hi = segs[i][0], segs[j][1]
+            places = {segs[k][0] for k in range(i, j + 1)} | {segs[k][1] - nbytes for k in range(i, j + 1)}
+            for start in places:
+                if lo <= start and start + nbytes <= hi:
+                    newest = max(-1 if f is None else f for a, b, f in segs[i : j + 1] if a < start + nbytes and start < b)
+                    if best is None or (newest, length, start) < best:
+                        best = (newest, length, start)
         if best is None:
             return None
-        _, _, i, k = best
-        start, end = segs[i][0], segs[i][0] + nbytes
-        deps = tuple(sorted({s[2] for s in segs[i:k + 1] if s[2] is not None}))
-        segs[i:k + 1] = [(end, segs[k][1], segs[k][2])] if segs[k][1] > end else []
+        start, end = best[2], best[2] + nbytes
+        covered = [s for s in segs if s[0] < end and start < s[1]]
+        deps = tuple(sorted({f for _, _, f in covered if f is not None}))
+        kept = [s for s in segs if not (s[0] < end and start < s[1])]
+        kept += [(a, min(b, start), f) for a, b, f in covered if a < start]
+        kept += [(max(a, end), b, f) for a, b, f in covered if b > end]
+        self._segments = sorted(kept)
         self.used_bytes += nbytes
         return start, deps
 
