@@ -47,3 +47,4 @@ def no_chaos(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chaos mode off for the test, even in a run started with ``LUWU_CHAOS_SEED`` set: the plain side
     of a plain/chaos pair."""
     monkeypatch.delenv(CHAOS_ENV, raising=False)
+

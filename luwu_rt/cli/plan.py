@@ -60,6 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--offload-{state}", default="auto", choices=_TIER_CHOICES,
                             help=f"home tier of the {state} (default auto: fastest placement that fits)")
     parser.add_argument("--chunk-size", default="64MiB", help="storage chunk size, a multiple of 4KiB (default 64MiB)")
+    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
+                        help="compute dtype of parameters and activations (default bf16; `luwu train` defaults to fp32)")
+    parser.add_argument("--keep-graphs", default="none", metavar="auto|all|none|N",
+                        help="units that keep their forward graph until backward instead of recomputing it, as in "
+                             "`luwu train`: their activations count against the device budget (default none, the "
+                             "least memory; auto means what `luwu train` does on this machine)")
+    parser.add_argument("--grad-clip", type=float, default=1.0,
+                        help="global-norm clip, 0 off (default 1.0, as `luwu train`): with it, updates wait for the "
+                             "whole backward")
     node = parser.add_argument_group("optimizer node (--strategy node)")
     node.add_argument("--node-shards", type=int, default=None, metavar="K",
                       help="optimizer node processes that split the chunks, each with its own NIC and budgets "
@@ -107,14 +116,34 @@ def _strategy(args: argparse.Namespace):
     return Strategy(name=name, world_size=args.world_size, group_size=args.shard_group_size or 0)
 
 
+def _model_spec(args: argparse.Namespace, shape, *, chunk_bytes: int):
+    """The ModelSpec ``luwu train`` would plan with the same settings: the preset built on meta, its
+    activations measured as the engine runs them (engine/workload.py), so both agree on what fits."""
+    import torch
+
+    from luwu_rt.engine.workload import kept_units, train_model_spec
+    from luwu_rt.models.gpt import build_gpt
+
+    seq_len = args.seq_len or shape.max_seq_len
+    if args.batch_size <= 0 or not 0 < seq_len <= shape.max_seq_len or args.grad_accum <= 0:
+        raise ValueError(f"--batch-size {args.batch_size} and --grad-accum {args.grad_accum} must be positive and "
+                         f"--seq-len {seq_len} in 1..{shape.max_seq_len}")
+    keep = args.keep_graphs if not args.keep_graphs.isdigit() else int(args.keep_graphs)
+    chain = build_gpt(shape.name)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return train_model_spec(chain, batch_size=args.batch_size, seq_len=seq_len, grad_accum=args.grad_accum,
+                            chunk_bytes=chunk_bytes, dtype=args.dtype,
+                            keep_graph=kept_units(keep, num_units=chain.num_units, device_type=device_type),
+                            optimizer_waits_for_backward=args.grad_clip > 0 or args.dtype == "fp16")
+
+
 def run(args: argparse.Namespace) -> int:
     from luwu_rt.models.presets import get_preset
     from luwu_rt.plan import (RUNNABLE_STRATEGIES, Budgets, DoesNotFit, HardwareProfile, Placement, estimate,
-                              gpt_model_spec, parse_size, plan_auto, validate)
+                              parse_size, plan_auto, validate)
 
     shape = get_preset(args.model)
-    model = gpt_model_spec(shape, batch_size=args.batch_size, seq_len=args.seq_len, num_micro_batches=args.grad_accum,
-                           chunk_bytes=parse_size(args.chunk_size))
+    model = _model_spec(args, shape, chunk_bytes=parse_size(args.chunk_size))
     budgets = Budgets(device_bytes=parse_size(args.device_mem),
                       host_bytes=parse_size(args.host_mem) if args.host_mem else _default_host_bytes(),
                       nvme_bytes=_nvme_budget(args))
@@ -123,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     profile = HardwareProfile.from_json(args.profile) if args.profile else HardwareProfile()
     head = {"model": shape.name, "params": model.num_params, "strategy": strategy.name,
             "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
+            "activation_bytes": model.activation_bytes,
             "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
             "runnable": strategy.name in RUNNABLE_STRATEGIES}
     try:
@@ -167,10 +197,10 @@ def _plan_node(args: argparse.Namespace, model, strategy, profile):
 
 
 def _states(plan) -> dict:
-    state_bytes: dict[str, int] = {}
-    for shard, info in plan.shards.items():
-        state_bytes[shard.state] = state_bytes.get(shard.state, 0) + info.nbytes
-    return {s: {"tier": plan.homes[s], "bytes": b} for s, b in state_bytes.items()}
+    """Each state kind's bytes on this process and its home (workspaces are not state)."""
+    from luwu_rt.plan.analysis import state_bytes
+
+    return {s: {"tier": plan.homes[s], "bytes": b} for s, b in state_bytes(plan).items()}
 
 
 def _placement(p) -> dict:
@@ -250,11 +280,14 @@ def _busy(busy: dict) -> str:
 
 
 def _text(head: dict, r: dict) -> str:
+    from luwu_rt.plan import format_size
+
     lines = [_title(head), ""] + _tables(r, who="per rank", tiers=tuple(r["peak_bytes"]))
     lines.append("")
     lines.append(f"predicted step time {r['predicted_step_s']:.3g} s, bottleneck {r['bottleneck']} "
                  f"(busy: {_busy(r['busy_s'])})")
-    lines.append(f"{r['num_ops']} ops, eviction {r['policy']}")
+    lines.append(f"{r['num_ops']} ops, eviction {r['policy']}; device reserve for activations "
+                 f"{format_size(head['activation_bytes'])} (in the device peak)")
     if "node" in r:
         lines += [""] + _node_text(r["node"])
     if not head["runnable"]:

@@ -41,7 +41,7 @@ _HELP = {
     "json_log": "append one JSON line per step (step, loss, tokens_per_s, step_s, ...)",
     "eval_every": "validation loss every N steps (default 100; 0 never)",
     "io_backend": "IO engine backend: auto, io_uring or threads",
-    "device_mem": "device budget, e.g. 40GiB (default 8MiB, smaller than gpt-tiny; a CPU arena without a GPU)",
+    "device_mem": "device budget including activations, e.g. 40GiB (default 80MiB; a CPU arena without a GPU)",
     "host_mem": "pinned host budget, e.g. 200GiB (default 32MiB)",
     "offload_params": "home of the parameters: device|host|nvme|auto (default auto)",
     "offload_optimizer": "home of master weights and moments: device|host|nvme|auto (default auto)",

@@ -31,8 +31,12 @@ class OffloadConfig:
     """Home of the fp32 master weights and the Adam moments."""
     grads: str = "auto"
     """Home of the gradients between backward and the optimizer step."""
-    device_mem: int | str = "8MiB"
-    """Device budget in bytes (``"4GiB"`` accepted). Without a GPU the device tier is a CPU arena of this size."""
+    device_mem: int | str = "80MiB"
+    """Device budget in bytes (``"4GiB"`` accepted), activations included: the planner reserves what one
+    micro-batch's activations and kept graphs take (measured, ``engine/workload.py``) and places shards
+    in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it. The
+    default fits gpt-tiny's default run (77 MiB of activations with every graph kept) with less than a
+    unit's parameters left for the arena, so the state streams from the host."""
     host_mem: int | str = "32MiB"
     """Pinned host arena budget in bytes."""
     nvme_dir: str | None = None

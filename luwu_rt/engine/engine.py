@@ -37,17 +37,17 @@ from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_c
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.engine.schedule import lr_at
+from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
 from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Queues, Span
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
-from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, UnitSpec, plan_auto, plan_step, validate
+from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, plan_auto, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk
 from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
 from luwu_rt.store import TieredStore
 
 __all__ = ["Engine"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -70,14 +70,15 @@ class Engine:
         self.config = config = config or TrainConfig()
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.param_dtype = _DTYPES[config.dtype]
+        self.param_dtype = COMPUTE_DTYPES[config.dtype]
+        self.keep_graph = kept_units(config.keep_graphs, num_units=self.chain.num_units, device_type=self.device.type)
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
         self.model_spec = self._model_spec()
         self._plan()
         device_arena = self.store.arenas.get("device")
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=self.param_dtype,
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum,
-                                                         keep_graph=self._kept_units()),
+                                                         keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
                                    at_risk=params_at_risk(self.plan))
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
@@ -114,28 +115,10 @@ class Engine:
     # -- construction -------------------------------------------------------------------------
 
     def _model_spec(self) -> ModelSpec:
-        c, chain = self.config, self.chain
-        elem = torch.empty((), dtype=self.param_dtype).element_size()
-        units = tuple(UnitSpec(name=chain.names[i], num_params=chain.num_unit_params(i), reads=chain.reads(i),
-                               flops_per_token=2 * chain.num_unit_params(i)) for i in range(chain.num_units))
-        empty = [u.name for u in units if u.num_params == 0]
-        if empty:
-            raise ValueError(f"units {empty} own no parameters; merge them into a neighbouring unit")
-        # One shard per (unit, state): a unit's parameters must be one contiguous run of bytes on
-        # the device so that its modules can point at them; chunks still cut its IO.
-        return ModelSpec(units=units, param_bytes=elem, grad_bytes=elem, chunk_bytes=c.offload.chunk_size,
-                         max_shards_per_state=1, tokens_per_step=c.batch_size * c.seq_len * c.grad_accum,
-                         num_micro_batches=c.grad_accum,
-                         optimizer_waits_for_backward=c.optim.grad_clip > 0 or c.dtype == "fp16")
-
-    def _kept_units(self) -> frozenset[int]:
-        """``config.keep_graphs`` as unit indices; the last unit runs once anyway ([Note: the last unit
-        runs once] in unitwise.py), so at most the units before it."""
-        keep, last = self.config.keep_graphs, self.chain.num_units - 1
-        if keep == "auto":
-            keep = "all" if self.device.type == "cpu" else "none"
-        count = {"all": last, "none": 0}.get(keep, keep)
-        return frozenset(range(max(last - count, 0), last))
+        """The planner's view of this run; its activation reserve is measured by running the chain on the
+        meta device as the step will ([Note: activation estimate] in workload.py), the same function
+        ``luwu plan`` answers with, so both agree on what fits."""
+        return config_model_spec(self.chain, self.config, device_type=self.device.type)
 
     def _plan(self) -> None:
         off = self.config.offload

@@ -88,6 +88,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,10 @@ from luwu_rt.engine.compute import _as_unit_input, _differentiate
 from luwu_rt.models.units import UnitChain
 from luwu_rt.plan.spec import ModelSpec, UnitSpec
 
-__all__ = ["COMPUTE_DTYPES", "ActivationEstimate", "kept_units", "measure_activations", "train_model_spec",
+if TYPE_CHECKING:
+    from luwu_rt.engine.config import TrainConfig
+
+__all__ = ["COMPUTE_DTYPES", "ActivationEstimate", "config_model_spec", "device_budget", "kept_units", "measure_activations", "train_model_spec",
            "unit_specs"]
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -172,6 +176,26 @@ def train_model_spec(chain: UnitChain, *, batch_size: int, seq_len: int, chunk_b
                      tokens_per_step=batch_size * seq_len * grad_accum, num_micro_batches=grad_accum,
                      optimizer_waits_for_backward=optimizer_waits_for_backward,
                      activation_bytes=activations.peak_bytes)
+
+
+def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: str) -> ModelSpec:
+    """``train_model_spec`` for a run of ``config`` on a ``device_type`` device: what ``Engine`` plans, and the
+    device budget it needs is ``activation_bytes`` plus the arena it leaves for shards."""
+    return train_model_spec(chain, batch_size=config.batch_size, seq_len=config.seq_len,
+                            grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_size, dtype=config.dtype,
+                            keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units, device_type=device_type),
+                            optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16")
+
+
+def device_budget(config: "TrainConfig", *, arena_bytes: int, chain: UnitChain | None = None,
+                  device_type: str = "cpu") -> int:
+    """The ``offload.device_mem`` that leaves ``arena_bytes`` for shards beside the activations a run of
+    ``config`` reserves (``chain`` defaults to ``config.model``, built on meta)."""
+    if chain is None:
+        from luwu_rt.models.adapt import as_unit_chain
+
+        chain = as_unit_chain(config.model)
+    return config_model_spec(chain, config, device_type=device_type).activation_bytes + arena_bytes
 
 
 def measure_activations(chain: UnitChain, *, batch_size: int, seq_len: int, dtype: torch.dtype | str = torch.float32,

@@ -114,6 +114,10 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
         needs["nvme_bytes"], needs["nvme_host_bytes"] = bounds[best]["nvme"], bounds[best]["host"]
         parts.append(f"{format_size(needs['nvme_bytes'])} of NVMe (with {format_size(needs['nvme_host_bytes'])} "
                      f"of host memory)")
+    if errors and needs.get("host_bytes", budgets.host_bytes + 1) <= budgets.host_bytes:
+        # Every tier's lower bound fits the fastest placements, yet no schedule did: say why the fastest
+        # failed (its tier, and that fragmentation or shards kept between uses need the room).
+        return DoesNotFit(f"does not fit: {errors[0]}", needs=needs)
     message = "does not fit: needs at least " + " or ".join(parts)
     if errors:
         message += f" [closest attempt: {errors[-1]}]"

@@ -8,7 +8,12 @@ import time
 import pytest
 import torch
 
-from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, latest_checkpoint, list_checkpoints
+from luwu_rt.engine.checkpoint import (
+    CheckpointReader,
+    CheckpointWriter,
+    latest_checkpoint,
+    list_checkpoints,
+)
 
 
 def _save(root, step: int, value: float) -> None:

@@ -4,6 +4,7 @@ import contextlib
 import functools
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
 from luwu_rt.engine.schedule import lr_at
+from luwu_rt.engine.workload import device_budget
 from luwu_rt.exec import Queues
 from luwu_rt.models.gpt import build_gpt
 
@@ -144,7 +146,8 @@ def test_placements_train_bit_for_bit_alike_under_chaos(tmp_path, reference, cha
 def test_tight_budgets_force_everything_through_nvme(tmp_path, request, reference, chaotic) -> None:
     batches, ref_losses, _ = reference
     request.getfixturevalue("chaos" if chaotic else "no_chaos")
-    config = _config(tmp_path, ("auto", "auto", "auto"), offload={"device_mem": "4MiB", "host_mem": "6MiB"})
+    config = _config(tmp_path, ("auto", "auto", "auto"), offload={"host_mem": "6MiB"})
+    config = replace(config, offload=replace(config.offload, device_mem=device_budget(config, arena_bytes=4 << 20)))
     engine = Engine(None, config)
     assert (engine.executor.chaos is not None) == chaotic
     assert "nvme" in (engine.placement.params, engine.placement.optimizer, engine.placement.grads)

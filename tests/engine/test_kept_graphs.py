@@ -11,19 +11,24 @@ import torch
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
+from luwu_rt.engine.workload import device_budget
+from luwu_rt.plan import parse_size
 from luwu_rt.plan.analysis import params_at_risk
 from luwu_rt.plan.ops import Compute, Load
 
 STEPS = 4
 
 
-def _config(tmp_path, *, keep, params="host", device_mem="2MiB", grad_accum=1) -> TrainConfig:
-    # 2 MiB of device memory holds about two gpt-tiny blocks: parameter slots are recycled.
-    return from_mapping(TrainConfig, {
+def _config(tmp_path, *, keep, params="host", arena="2MiB", grad_accum=1) -> TrainConfig:
+    # A 2 MiB device arena holds about two gpt-tiny blocks: parameter slots are recycled. The budget
+    # adds what the run's activations reserve.
+    config = from_mapping(TrainConfig, {
         "model": "gpt-tiny", "steps": STEPS, "batch_size": 2, "seq_len": 16, "seed": 5, "keep_graphs": keep,
         "grad_accum": grad_accum, "optim": {"lr": 3e-3, "warmup_steps": 1, "grad_clip": 0.0},
-        "offload": {"params": params, "optimizer": "host", "grads": "host", "device_mem": device_mem,
+        "offload": {"params": params, "optimizer": "host", "grads": "host", "device_mem": "1GiB",
                     "host_mem": "64MiB", "chunk_size": "64KiB", "nvme_dir": str(tmp_path / "nvme")}})
+    budget = device_budget(config, arena_bytes=parse_size(arena))
+    return replace(config, offload=replace(config.offload, device_mem=budget))
 
 
 def _batches(config: TrainConfig):
@@ -104,10 +109,10 @@ def test_kept_graphs_equal_recomputation_when_param_slots_are_reused(tmp_path, g
 
 
 def test_device_resident_params_need_no_snapshot(tmp_path, chaotic) -> None:
-    config = _config(tmp_path / "k", keep="all", params="device", device_mem="64MiB")
+    config = _config(tmp_path / "k", keep="all", params="device", arena="64MiB")
     kept, kept_metrics = _train(config)
     chaotic(config, kept, kept_metrics)
-    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", params="device", device_mem="64MiB"))
+    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", params="device", arena="64MiB"))
     assert kept.compute.snapshot_bytes == 0
     # Activations only: the parameters the graphs save are the arena's own bytes.
     assert all(0 < m["kept_bytes"] < kept.store.arenas["device"].nbytes / 4 for m in kept_metrics)
@@ -116,10 +121,10 @@ def test_device_resident_params_need_no_snapshot(tmp_path, chaotic) -> None:
 
 def test_params_kept_resident_from_f_to_b_need_no_snapshot(tmp_path, chaotic) -> None:
     # A roomy device budget: the plan loads each unit's parameters once and frees them after its backward.
-    config = _config(tmp_path / "k", keep="all", device_mem="64MiB")
+    config = _config(tmp_path / "k", keep="all", arena="64MiB")
     kept, kept_metrics = _train(config)
     chaotic(config, kept, kept_metrics)
-    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", device_mem="64MiB"))
+    recomputed, rec_metrics = _train(_config(tmp_path / "r", keep="none", arena="64MiB"))
     assert kept.placement.params == "host" and params_at_risk(kept.plan) == frozenset()
     assert kept.compute.snapshot_bytes == 0
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
@@ -140,7 +145,7 @@ def test_bad_keep_graphs_is_a_clear_error(tmp_path, bad) -> None:
 
 
 def test_units_compute_on_one_persistent_queue_thread_and_errors_reach_the_caller(tmp_path) -> None:
-    engine = Engine(None, _config(tmp_path, keep="all", device_mem="64MiB"))
+    engine = Engine(None, _config(tmp_path, keep="all", arena="64MiB"))
     threads: list[threading.Thread] = []
     run = engine.chain.run
 

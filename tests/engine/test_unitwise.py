@@ -2,8 +2,15 @@ import pytest
 import torch
 from torch import nn
 
-from luwu_rt.engine.unitwise import (Phase, UnitHooks, UnitwiseConfig, final_points, step_schedule, unitwise_loss,
-                                     unitwise_step)
+from luwu_rt.engine.unitwise import (
+    Phase,
+    UnitHooks,
+    UnitwiseConfig,
+    final_points,
+    step_schedule,
+    unitwise_loss,
+    unitwise_step,
+)
 from luwu_rt.models.gpt import build_gpt
 from luwu_rt.models.units import UnitChain, chain_from_sequential
 

@@ -13,9 +13,16 @@ from torch.profiler import ProfilerActivity, profile
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
 from luwu_rt.engine.compute import InputStore, UnitCompute, UnitwiseConfig
-from luwu_rt.engine.workload import COMPUTE_DTYPES, kept_units, measure_activations, train_model_spec
+from luwu_rt.engine.workload import (
+    COMPUTE_DTYPES,
+    device_budget,
+    kept_units,
+    measure_activations,
+    train_model_spec,
+)
 from luwu_rt.models.gpt import build_gpt
 from luwu_rt.models.units import UnitChain, chain_from_sequential
+from luwu_rt.plan import parse_size
 from luwu_rt.plan.analysis import params_at_risk
 from luwu_rt.plan.gpt import gpt_activation_bytes
 
@@ -70,7 +77,7 @@ def _layer_norms(chain: UnitChain, units) -> int:
     return sum(isinstance(m, nn.LayerNorm) for u in units for m in chain.units[u].modules())
 
 
-# Device budgets under which the plan reuses kept units' parameter slots before their backward (about two
+# Device arenas (beside the activations) under which the plan reuses kept units' parameter slots before their backward (about two
 # gpt-tiny blocks; a few of the small chain's units), and roomy ones with the parameters at home there.
 SMALL_DEVICE = {"gpt-tiny": "2MiB", "sequential": "48KiB"}
 
@@ -79,8 +86,11 @@ SMALL_DEVICE = {"gpt-tiny": "2MiB", "sequential": "48KiB"}
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("params", ["host", "device"])
 def test_kept_graph_bytes_match_the_engine(tmp_path, model, dtype, params) -> None:
-    device_mem = SMALL_DEVICE[model] if params == "host" else "64MiB"
-    config = _engine_config(tmp_path, dtype=dtype, params=params, device_mem=device_mem)
+    arena = SMALL_DEVICE[model] if params == "host" else "64MiB"
+    config = _engine_config(tmp_path, dtype=dtype, params=params, device_mem="1GiB")
+    chain = _sequential() if model == "sequential" else None
+    budget = device_budget(config, arena_bytes=parse_size(arena), chain=chain)
+    config = replace(config, offload=replace(config.offload, device_mem=budget))
     engine = Engine(_sequential if model == "sequential" else None, config)
     vocab = 256 if model == "gpt-tiny" else VOCAB
     metrics = engine.train_step(_ids(config.batch_size, config.seq_len, vocab))

@@ -79,7 +79,7 @@ def test_strategies_plan(capsys, strategy):
 
 def test_show_ops_lists_the_plan(capsys):
     assert main(["plan", "--model", "gpt-tiny", "--device-mem", "5MiB", "--host-mem", "16MiB",
-                 "--offload-optimizer", "host", "--show-ops", "5"]) == 0
+                 "--offload-params", "host", "--offload-optimizer", "host", "--show-ops", "5"]) == 0
     out = capsys.readouterr().out
     listing = out[out.index("first 5 ops"):].splitlines()[1:]
     assert len(listing) == 5 and "Load" in listing[0] and "param[0.0]:host@0 -> param[0.0]:device@" in listing[0]
