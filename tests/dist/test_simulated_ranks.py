@@ -6,7 +6,7 @@ must equal the single-process step bit for bit."""
 import pytest
 import torch
 
-from dist_sim import SIZES, build_ranks, model_spec, read_full, reference, run_step
+from dist_sim import SIZES, build_node_run, build_ranks, model_spec, read_full, reference, run_step
 from luwu_rt.io import IOEngine
 from luwu_rt.plan import Budgets, Placement, Strategy
 
@@ -77,3 +77,38 @@ def test_exact_clipping_waits_for_the_global_norm(tmp_path, io, name) -> None:
         torch.testing.assert_close(got, expect[u]["master"], rtol=1e-6, atol=1e-7)
     totals = {r.norms.total_sq for r in ranks}
     assert len(totals) == 1  # every rank clipped with the same norm
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("node_placement", [Placement(params="host", optimizer="host", grads="host"),
+                                            Placement(params="nvme", optimizer="nvme", grads="host")],
+                         ids=["node-host", "node-nvme"])
+@pytest.mark.parametrize("chaotic", [False, True], ids=["plain", "chaos"])
+def test_node_workers_and_the_node_plan_run_together(tmp_path, io, request, world, node_placement, chaotic) -> None:
+    """Worker plans (push, pull) and the optimizer node's own plan (receive, update, serve) interlock without
+    deadlock, also with every process drawing random delays, and the node's state after two steps is the
+    single-process one."""
+    request.getfixturevalue("chaos" if chaotic else "no_chaos")
+    steps, model = 2, model_spec(micro_batches=2, clip=True)
+    history = reference(world=world, micro_batches=2, steps=steps, clip=True)
+    workers, node = build_node_run(world, Placement(params="host", optimizer="host", grads="host"), node_placement,
+                                   Budgets(device_bytes=1 << 20, host_bytes=1 << 20),
+                                   Budgets(device_bytes=0, host_bytes=600_000, nvme_bytes=1 << 30), model, tmp_path, io)
+    for step in range(1, steps + 1):
+        run_step([*workers, node], step, {u: history[step - 1][u]["master"] for u in range(len(SIZES))})
+    for u in range(len(SIZES)):
+        for state in OPTIM:
+            torch.testing.assert_close(node.store.read_state(u, state, torch.empty(SIZES[u])), history[-1][u][state],
+                                       rtol=1e-6, atol=1e-7)
+        for w in workers:
+            got = w.store.read_state(u, "param", torch.empty(SIZES[u]))
+            assert torch.equal(got, node.store.read_state(u, "param", torch.empty(SIZES[u])))
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategies_stay_bit_exact_under_chaos(tmp_path, io, chaos, name) -> None:
+    """The same multi-rank run with every rank drawing its own random delays: bit for bit the reference."""
+    strategy = _strategy(name, 4)
+    ranks, history = _simulate(tmp_path, io, strategy, Placement(params="host", optimizer="nvme", grads="host"),
+                               micro_batches=2)
+    _check(ranks, strategy, history[-1])
