@@ -187,16 +187,19 @@ class UnitCompute:
         # Called on the compute queue's thread (or its stream's worker), which lives across steps and
         # plans ([Note: persistent queue threads] in exec/streams.py).
         for unit in (op.unit, *self.chain.reads(op.unit)):
-            bind_unit_params(self.chain, unit, views[ShardId(unit, "param", 0)].view(self.param_dtype))
+            bind_unit_params(self.chain, unit, _full(views, unit, "param").view(self.param_dtype))
         if op.name.startswith("F"):
             self.forward(op.micro_batch, op.unit)
             return
         grads = self.backward(op.micro_batch, op.unit)
-        written = {a.shard for a in op.inputs if a.shard.state == "grad"}
+        written = {a.shard for a in op.inputs}
         for unit in (op.unit, *self.chain.reads(op.unit)):
-            sid = ShardId(unit, "grad", 0)
-            flat = views[sid].view(self.grad_dtype)[: self.chain.num_unit_params(unit)]
-            _write_grads(self.chain, unit, flat, grads.get(unit), accumulate=sid in written)
+            buffer = _full(views, unit, "grad").view(self.grad_dtype)
+            n = self.chain.num_unit_params(unit)
+            accumulate = any(s.unit == unit and s.state.startswith("grad") for s in written)
+            _write_grads(self.chain, unit, buffer[:n], grads.get(unit), accumulate=accumulate)
+            if not accumulate:
+                buffer[n:].zero_()  # a full buffer's padding is reduce-scattered too: it must add nothing
 
     # -- one unit -------------------------------------------------------------------------------
 
@@ -267,6 +270,14 @@ class UnitCompute:
         if loss is not None:
             self.losses[mb] = loss
         return grads
+
+
+def _full(views: Views, unit: int, kind: str) -> torch.Tensor:
+    """A unit's whole ``param`` or ``grad`` buffer among an op's views: the ``*_full`` workspace under the
+    strategies that shard the state ([Note: planned workspaces] in plan/ops.py), else the state itself
+    (one shard per unit and state in the engine's plans)."""
+    full = views.get(ShardId(unit, f"{kind}_full", 0))
+    return full if full is not None else views[ShardId(unit, kind, 0)]
 
 
 def _as_unit_input(x: torch.Tensor, index: int) -> torch.Tensor:
