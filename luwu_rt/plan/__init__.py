@@ -32,7 +32,7 @@ from .sizes import format_size, parse_size
 from .gpt import gpt_model_spec
 from .spec import (RUNNABLE_STRATEGIES, STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement,
                    Strategy, UnitSpec)
-from .validate import PlanError, validate
+from .validate import PlanError, validate, validate_ranks
 
 __all__ = [
     "COMM_QUEUES", "Collective", "GLOBAL_UNIT", "GradNorm", "NormReduce", "Recv", "Serve", "WORKSPACE_KINDS", "Wait",
@@ -42,5 +42,5 @@ __all__ = [
     "SwapPlan", "TIERS",
     "UnitSpec", "collective_seconds", "estimate", "format_ops", "format_size", "gpt_model_spec", "lower_bounds",
     "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
-    "push_order", "validate",
+    "push_order", "validate", "validate_ranks",
 ]
