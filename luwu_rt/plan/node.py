@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 
 from .ops import GLOBAL_UNIT, GradNorm, NormReduce, OptimStep, Recv, Serve, ShardId, ShardInfo, SwapPlan
-from .planner import POLICIES, OutOfBudget, walk_steps
+from .planner import POLICIES, OutOfBudget, budget_message, walk_steps
 # Package-internal helpers of the worker's sequence: one way to cut buffers into shards and to
 # count ring bytes (DESIGN.md style 11).
 from .sequence import NORM_BYTES, Need, Step, _cut, _ring, element_bytes, final_points, home_of
@@ -206,20 +206,10 @@ def plan_node(model: ModelSpec, *, budgets: Budgets, placement: Placement, num_w
 
 
 def _budget_message(tier: str, model: ModelSpec, budgets: Budgets, placement: Placement, num_shards: int) -> str:
+    streamed = Placement(params="nvme", optimizer="nvme", grads="nvme")
     need = node_lower_bounds(model, placement=placement, num_shards=num_shards)[tier]
-    have = budgets.of(tier) or 0
-    where = f"with params on {placement.params}, optimizer state on {placement.optimizer}, grads on {placement.grads}"
-    if need > have:
-        message = (f"node {tier} budget {format_size(have)} is too small {where}: needs at least "
-                   f"{format_size(need)} of {tier} {'memory' if tier == 'host' else 'space'}")
-        streamed = Placement(params="nvme", optimizer="nvme", grads="nvme")
-        if tier == "host" and placement != streamed:
-            alt = node_lower_bounds(model, placement=streamed, num_shards=num_shards)
-            message += (f", or {format_size(alt['nvme'])} of NVMe with {format_size(alt['host'])} of host memory "
-                        f"when every state lives on NVMe")
-        if num_shards == 1:
-            message += "; or split the state over several node processes (num_shards)"
-        return message
-    return (f"node {tier} budget {format_size(have)} is too small {where}: the largest working set "
-            f"({format_size(need)}) fits, but shards kept between uses and arena fragmentation need more; "
-            f"give {tier} more room or use smaller chunks")
+    message = budget_message(tier, need=need, have=budgets.of(tier), placement=placement, who="node ",
+                             streamed=lambda: node_lower_bounds(model, placement=streamed, num_shards=num_shards))
+    if need > (budgets.of(tier) or 0) and num_shards == 1:
+        message += "; or split the state over several node processes (num_shards)"
+    return message

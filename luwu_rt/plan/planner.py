@@ -39,7 +39,7 @@ first units of the next forward are not prefetched across the boundary.
 from __future__ import annotations
 
 import bisect
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .arena import Arena
 from .ops import Access, Collective, Free, Load, Op, ShardId, ShardInfo, Store, SwapPlan, Wait
@@ -408,19 +408,27 @@ def _kinds(layout: dict[ShardId, ShardInfo]) -> list[str]:
 
 
 def _budget_message(tier: str, model: ModelSpec, budgets: Budgets, placement: Placement, strategy: Strategy) -> str:
-    need = lower_bounds(model, placement=placement, strategy=strategy)[tier]
-    have = budgets.of(tier)
+    bounds = lower_bounds(model, placement=placement, strategy=strategy)
+    streamed = Placement(params="nvme", optimizer="nvme", grads="nvme")
+    return budget_message(tier, need=bounds[tier], have=budgets.of(tier), placement=placement,
+                          streamed=lambda: lower_bounds(model, placement=streamed, strategy=strategy))
+
+
+def budget_message(tier: str, *, need: int, have: int | None, placement: Placement,
+                   streamed: Callable[[], dict[str, int]], who: str = "") -> str:
+    """Why a plan ran out of ``tier`` (budget ``have``, lower bound ``need``): too small, with the NVMe
+    alternative (``streamed()``: the bounds with every state on NVMe) when host memory ran out; or a
+    lower bound that fits while the schedule did not (fragmentation, shards kept between uses)."""
+    have = have or 0
     where = f"with params on {placement.params}, optimizer state on {placement.optimizer}, grads on {placement.grads}"
     if need > have:
-        message = (f"{tier} budget {format_size(have)} is too small {where}: "
+        message = (f"{who}{tier} budget {format_size(have)} is too small {where}: "
                    f"needs at least {format_size(need)} of {tier} {'memory' if tier != 'nvme' else 'space'}")
-        streamed = Placement(params="nvme", optimizer="nvme", grads="nvme")
-        if tier == "host" and placement != streamed:
-            alt = lower_bounds(model, placement=streamed, strategy=strategy)
+        if tier == "host" and placement != Placement(params="nvme", optimizer="nvme", grads="nvme"):
+            alt = streamed()
             message += (f", or {format_size(alt['nvme'])} of NVMe with {format_size(alt['host'])} of host memory "
                         f"when every state lives on NVMe")
         return message
-    return (f"{tier} budget {format_size(have)} is too small {where}: the largest working set "
+    return (f"{who}{tier} budget {format_size(have)} is too small {where}: the largest working set "
             f"({format_size(need)}) fits, but shards kept between uses and arena fragmentation need more; "
             f"give {tier} more room or use smaller chunks")
-

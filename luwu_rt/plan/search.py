@@ -12,6 +12,7 @@ placement, over the node's tiers (host and NVMe) and its step time on its own.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cost import StepCost, estimate
@@ -68,25 +69,34 @@ def plan_auto(model: ModelSpec, *, budgets: Budgets, placement: Placement = Plac
     """Plan one step, resolving ``auto`` placements to the fastest that fits.
 
     Raises ``DoesNotFit`` (a ``ValueError``) stating the memory that would make it fit."""
+    errors: list[str] = []
+    best = _fastest(_candidates(placement, strategy), budgets=budgets, profile=profile, errors=errors,
+                    bounds=lambda c: lower_bounds(model, placement=c, strategy=strategy),
+                    plan=lambda c: plan_step(model, budgets=budgets, placement=c, strategy=strategy, policy=policy))
+    if best is None:
+        raise _does_not_fit(model, budgets=budgets, placement=placement, strategy=strategy, errors=errors)
+    return best
+
+
+def _fastest(candidates: list[Placement], *, budgets: Budgets, profile: HardwareProfile, errors: list[str],
+             bounds: Callable[[Placement], dict[str, int]], plan: Callable[[Placement], SwapPlan]) -> PlanResult | None:
+    """The candidate with the shortest predicted step, planned fastest tiers first; a candidate whose lower
+    bounds exceed a budget is not planned, nor one that a planned candidate dominates. Planning errors
+    are appended to ``errors``."""
     best: PlanResult | None = None
     planned: list[Placement] = []
-    errors: list[str] = []
-    for cand in _candidates(placement, strategy):
-        if any(_dominates(p, cand) for p in planned):
-            continue
-        if not _fits(lower_bounds(model, placement=cand, strategy=strategy), budgets):
+    for cand in candidates:
+        if any(_dominates(p, cand) for p in planned) or not _fits(bounds(cand), budgets):
             continue
         try:
-            plan = plan_step(model, budgets=budgets, placement=cand, strategy=strategy, policy=policy)
+            result = plan(cand)
         except ValueError as exc:
             errors.append(str(exc))
             continue
         planned.append(cand)
-        cost = estimate(plan, profile)
+        cost = estimate(result, profile)
         if best is None or cost.predicted_step_s < best.cost.predicted_step_s:
-            best = PlanResult(plan=plan, cost=cost, placement=cand)
-    if best is None:
-        raise _does_not_fit(model, budgets=budgets, placement=placement, strategy=strategy, errors=errors)
+            best = PlanResult(plan=result, cost=cost, placement=cand)
     return best
 
 
@@ -134,25 +144,12 @@ def plan_node_auto(model: ModelSpec, *, budgets: Budgets, num_workers: int, plac
     bad = [f"{f}={getattr(placement, f)}" for f in _FIELDS if getattr(placement, f) not in NODE_TIERS + ("auto",)]
     if bad:
         raise ValueError(f"node placement {', '.join(bad)}: an optimizer node keeps its states on host or nvme")
-    best: PlanResult | None = None
-    planned: list[Placement] = []
     errors: list[str] = []
     candidates = _candidates(placement, Strategy(), NODE_TIERS)
-    for cand in candidates:
-        if any(_dominates(p, cand) for p in planned):
-            continue
-        if not _fits(node_lower_bounds(model, placement=cand, num_shards=num_shards), budgets):
-            continue
-        try:
-            plan = plan_node(model, budgets=budgets, placement=cand, num_workers=num_workers, num_shards=num_shards,
-                             policy=policy)
-        except ValueError as exc:
-            errors.append(str(exc))
-            continue
-        planned.append(cand)
-        cost = estimate(plan, profile)
-        if best is None or cost.predicted_step_s < best.cost.predicted_step_s:
-            best = PlanResult(plan=plan, cost=cost, placement=cand)
+    best = _fastest(candidates, budgets=budgets, profile=profile, errors=errors,
+                    bounds=lambda c: node_lower_bounds(model, placement=c, num_shards=num_shards),
+                    plan=lambda c: plan_node(model, budgets=budgets, placement=c, num_workers=num_workers,
+                                             num_shards=num_shards, policy=policy))
     if best is not None:
         return best
     bounds = {c: node_lower_bounds(model, placement=c, num_shards=num_shards) for c in candidates}
