@@ -31,6 +31,8 @@ _FLAGS: dict[str, tuple[tuple[str, ...], Any]] = {
     "grad_clip": (("optim", "grad_clip"), float), "ckpt_dir": (("checkpoint", "dir"), str),
     "ckpt_every": (("checkpoint", "every"), int), "data": (("data", "path"), str),
     "data_dtype": (("data", "token_dtype"), str), "keep_graphs": (("keep_graphs",), _count_or_word),
+    "strategy": (("strategy",), str), "shard_group_size": (("shard_group_size",), int),
+    "timeout": (("timeout",), float),
 }
 _HELP = {
     "model": "built-in preset (gpt-tiny ... gpt-175b; default gpt-tiny)", "steps": "optimizer steps (default 300)",
@@ -52,6 +54,10 @@ _HELP = {
     "data": "text file, nanoGPT .bin or directory with train.bin/val.bin (default: embedded corpus)",
     "data_dtype": "token dtype of a .bin file: uint16 or uint32",
     "keep_graphs": "units that keep their forward graph instead of recomputing: auto, all, none or N (default auto)",
+    "strategy": "data-parallel strategy with several ranks: ddp, zero1, zero2, zero3, hsdp or auto (default auto: "
+                "the fastest that fits; one rank runs local)",
+    "shard_group_size": "hsdp: ranks per sharding group G (default min(8, world size))",
+    "timeout": "seconds a rank waits for the others before it exits naming the missing rank (default 300)",
 }
 
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 from luwu_rt.data import DataConfig
 from luwu_rt.plan.sizes import parse_size
+from luwu_rt.plan.spec import STRATEGIES
 
 __all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig"]
 
 _TIERS = ("device", "host", "nvme", "auto")
 _DTYPES = ("fp32", "bf16", "fp16")
+_RUNNABLE = tuple(s for s in STRATEGIES if s != "node")
 
 
 def _size(value: int | str, name: str) -> int:
@@ -145,6 +147,15 @@ class TrainConfig:
     claims ([Note: kept graphs in the engine])."""
     io_backend: str = "auto"
     """IO engine backend: ``auto``, ``io_uring`` or ``threads``."""
+    strategy: str = "auto"
+    """Data-parallel strategy when several ranks run (``torchrun`` or ``luwu train --nproc N``): ``ddp``,
+    ``zero1``, ``zero2``, ``zero3`` or ``hsdp``; ``auto`` lets the planner pick the fastest that fits.
+    One rank always runs ``local``."""
+    shard_group_size: int = 0
+    """``hsdp``: ranks per sharding group (G), replicated across groups; 0 means min(8, world size)."""
+    timeout: float = 300.0
+    """Seconds a rank waits for the others (a collective, a barrier) before it gives up and names the rank
+    that did not come."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training data."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -165,6 +176,15 @@ class TrainConfig:
         if not (self.keep_graphs in ("auto", "all", "none")
                 or (isinstance(self.keep_graphs, int) and not isinstance(self.keep_graphs, bool) and self.keep_graphs >= 0)):
             raise ValueError(f"keep_graphs={self.keep_graphs!r}: choose auto, all, none or a number of units >= 0")
+        if self.strategy not in ("auto",) + _RUNNABLE:
+            raise ValueError(f"strategy={self.strategy!r}: choose one of auto, {', '.join(_RUNNABLE)}"
+                             + (" (the optimizer node strategy is not built yet)" if self.strategy == "node" else ""))
+        if not isinstance(self.shard_group_size, int) or self.shard_group_size < 0:
+            raise ValueError(f"shard_group_size must be an integer >= 0, got {self.shard_group_size!r}")
+        if self.shard_group_size and self.strategy not in ("hsdp", "auto"):
+            raise ValueError(f"--shard-group-size applies to strategy hsdp, not {self.strategy}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if self.eval_every < 0 or self.eval_batches <= 0:
             raise ValueError("eval_every must be >= 0 and eval_batches > 0")
         if self.json_log:

@@ -1,4 +1,4 @@
-"""``Engine``: out-of-core training of a chain of units (strategy ``local``).
+"""``Engine``: out-of-core training of a chain of units, on one rank or data-parallel on several.
 
 Per step: sample micro-batches, run the step's ``SwapPlan`` through the
 executor, whose ``Compute`` ops run units forward and backward
@@ -6,6 +6,22 @@ executor, whose ``Compute`` ops run units forward and backward
 on each unit's shards as soon as the plan allows (``exec/optim.py``). The plan
 was made once, at construction, from the model's unit sizes, the placement and
 the budgets, and checked by the validator; every step repeats it.
+
+[Note: data parallelism in the engine]
+With N ranks (``torchrun`` or ``luwu train --nproc N``) every rank runs its own
+copy of the engine and the plan of the chosen strategy (engine/strategy.py);
+the plan's collectives run on one process group per queue
+([Note: one process group per queue] in dist/world.py) through
+``CollectiveHandlers``. What a rank adds beside the plan:
+
+- data: micro-batch i of a step is the one a single-process run with batch
+  N x b draws; rank r trains on its rows [r*b, (r+1)*b);
+- the loss is scaled by 1 / (N x micro-batches) and collectives sum, so the
+  reduced gradient is the gradient of the global batch's mean loss;
+- gradients are kept and reduced in fp32 whatever the compute dtype;
+- a sharded state holds this rank's slice of each unit (``_mine``), a
+  checkpoint the slices of the first replica;
+- metrics (loss, tokens) are reduced over the ranks on the control group.
 
 [Note: clipping]
 Global-norm clipping is exact: it waits for the norm. The gradient norm is only
@@ -33,17 +49,21 @@ import torch
 from torch import nn
 
 from luwu_rt.config import from_mapping, merge
+from luwu_rt.dist import CollectiveHandlers, TorchGroup
+from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_checkpoints
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.engine.schedule import lr_at
+from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
 from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Queues, Span
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
-from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, plan_auto, plan_step, validate
+from luwu_rt.plan import Budgets, ModelSpec, Placement, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk
 from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
+from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
 __all__ = ["Engine"]
@@ -68,6 +88,7 @@ class Engine:
 
     def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True) -> None:
         self.config = config = config or TrainConfig()
+        self.world: World = init_from_env(timeout_s=config.timeout)
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.param_dtype = COMPUTE_DTYPES[config.dtype]
@@ -76,21 +97,27 @@ class Engine:
         self.model_spec = self._model_spec()
         self._plan()
         device_arena = self.store.arenas.get("device")
-        self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=self.param_dtype,
-                                   config=UnitwiseConfig(loss_scale=self.loss_scale / config.grad_accum,
+        # [Note: data parallelism in the engine]: gradients in fp32 across ranks, the loss scaled to the global mean.
+        grad_dtype = torch.float32 if self.world.distributed else self.param_dtype
+        self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=grad_dtype,
+                                   config=UnitwiseConfig(loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
                                                          keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
                                    at_risk=params_at_risk(self.plan))
-        self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=self.param_dtype)
-        self.norms = NormHandlers(self.plan.shards, grad_dtype=self.param_dtype)
+        self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=grad_dtype)
+        self.norms = NormHandlers(self.plan.shards, grad_dtype=grad_dtype)
+        handlers = {"Compute": self.compute, "OptimStep": self._optim_step, "GradNorm": self.norms.grad_norm,
+                    "NormReduce": self.norms.norm_reduce}
+        if self.world.distributed:
+            groups = {q: TorchGroup(pg) for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
+            handlers.update(CollectiveHandlers(self.plan.shards, groups=groups, param_dtype=self.param_dtype,
+                                               grad_dtype=grad_dtype, norms=self.norms).handlers())
         # One set of queue threads and streams serves both plans: a unit computes on the same
         # long-lived thread in training and evaluation ([Note: persistent queue threads]).
         self.queues = Queues(device=self.device)
-        self.executor = Executor(self.plan, store=self.store, queues=self.queues,
-                                 handlers={"Compute": self.compute, "OptimStep": self._optim_step,
-                                           "GradNorm": self.norms.grad_norm, "NormReduce": self.norms.norm_reduce})
+        self.executor = Executor(self.plan, store=self.store, queues=self.queues, handlers=handlers)
         self.eval_executor = Executor(self.eval_plan, store=self.store, queues=self.queues,
-                                      handlers={"Compute": self.compute})
+                                      handlers={k: v for k, v in handlers.items() if k in ("Compute", "Gather")})
         self.step = 0
         """Optimizer steps taken (the step number of the last completed ``train_step``)."""
         self.adam_step = 0
@@ -118,27 +145,57 @@ class Engine:
         """The planner's view of this run; its activation reserve is measured by running the chain on the
         meta device as the step will ([Note: activation estimate] in workload.py), the same function
         ``luwu plan`` answers with, so both agree on what fits."""
-        return config_model_spec(self.chain, self.config, device_type=self.device.type)
+        spec = config_model_spec(self.chain, self.config, device_type=self.device.type)
+        return replace(spec, grad_bytes=4) if self.world.distributed else spec
 
     def _plan(self) -> None:
-        off = self.config.offload
-        nvme_root = Path(off.nvme_dir) / "luwu_state" if off.nvme_dir else None
+        off, world = self.config.offload, self.world
+        nvme_root = None
         nvme_bytes = 0
-        if nvme_root is not None:
-            os.makedirs(off.nvme_dir, exist_ok=True)
-            nvme_bytes = shutil.disk_usage(off.nvme_dir).free
+        if off.nvme_dir:
+            # Each rank its own directory: its own shards, its own disk bandwidth where D spans disks.
+            base = Path(off.nvme_dir) / f"rank-{world.rank}" if world.distributed else Path(off.nvme_dir)
+            os.makedirs(base, exist_ok=True)
+            nvme_root = base / "luwu_state"
+            # Every rank must plan from the same budgets to make the same plan: the smallest free space.
+            nvme_bytes = int(world.all_reduce([shutil.disk_usage(base).free], "min")[0])
         budgets = Budgets(device_bytes=off.device_mem, host_bytes=off.host_mem, nvme_bytes=nvme_bytes)
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
-        result = plan_auto(self.model_spec, budgets=budgets, placement=placement, profile=HardwareProfile())
+        strategies = candidate_strategies(self.config.strategy, world_size=world.size,
+                                          shard_group_size=self.config.shard_group_size)
+        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets, placement=placement)
         validate(result.plan)
+        self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
         # Evaluation runs a forward-only plan over the same store: the same layout, homes and reserve.
         one_batch = self.model_spec.tokens_per_step // self.model_spec.num_micro_batches
         self.eval_plan = plan_step(replace(self.model_spec, forward_only=True, num_micro_batches=1,
-                                           tokens_per_step=one_batch), budgets=budgets, placement=self.placement)
+                                           tokens_per_step=one_batch), budgets=budgets, placement=self.placement,
+                                   strategy=self.strategy)
         validate(self.eval_plan)
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
                                         io_backend=self.config.io_backend)
+
+    def _agree(self, result) -> None:
+        """Every rank must run the same plan, or their collectives would not match: compare digests."""
+        digests = self.world.all_gather_object(plan_digest(result))
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise RuntimeError(f"ranks {differ} planned differently from rank 0 (strategy, placement or collectives); "
+                               "give every rank the same configuration and budgets")
+
+    def _mine(self, state: str, values: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a unit's whole buffer of ``state``: its slice when the strategy shards it
+        ([Note: slices of a full buffer] in dist/collectives.py), zero-padded at the end, else all of it."""
+        if not self.strategy.sharded(state):
+            return values
+        ways = self.strategy.shard_ways
+        per = ceil_div(values.numel(), ways)
+        start = (self.world.rank % ways) * per
+        out = torch.zeros(per, dtype=values.dtype)
+        part = values[start : start + per]
+        out[: part.numel()] = part
+        return out
 
     def _materialize(self) -> None:
         """Initialises every unit from ``(seed, unit)`` straight into the store, one unit at a time."""
@@ -150,10 +207,11 @@ class Engine:
                                  "exp_avg_sq": torch.zeros_like(flat)})
 
     def _write_unit(self, unit: int, states: dict[str, torch.Tensor]) -> None:
-        for state, values in states.items():
-            self.store.write_state(unit, state, values)
+        """Writes a unit's whole buffers (this rank's part of them, ``_mine``) into the store."""
         if "param" not in states:
-            self.store.write_state(unit, "param", states["master"].to(self.param_dtype))
+            states = {**states, "param": states["master"].to(self.param_dtype)}
+        for state, values in states.items():
+            self.store.write_state(unit, state, self._mine(state, values))
         self.store.flush()
 
     # -- training -----------------------------------------------------------------------------
@@ -189,9 +247,15 @@ class Engine:
             vocab = getattr(getattr(self.chain, "shape", None), "vocab_size", None) or 256
             self.tokens = load_tokens(self.config.data, vocab_size=vocab)
             c = self.config
-            self._sampler = BatchSampler(self.tokens.train, batch_size=c.batch_size, seq_len=c.seq_len,
-                                         seed=c.seed, vocab_size=vocab)
+            # The global micro-batch: rank r trains on its rows ([Note: data parallelism in the engine]).
+            self._sampler = BatchSampler(self.tokens.train, batch_size=c.batch_size * self.world.size,
+                                         seq_len=c.seq_len, seed=c.seed, vocab_size=vocab)
         return self._sampler
+
+    def _my_rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's sequences of a global micro-batch."""
+        b, r = self.config.batch_size, self.world.rank
+        return batch[0][r * b : (r + 1) * b], batch[1][r * b : (r + 1) * b]
 
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor] | list | None = None) -> dict[str, float]:
         """One optimizer step. ``batch``: ``(inputs, targets)``, a list of ``grad_accum`` of them, or
@@ -199,7 +263,7 @@ class Engine:
         c = self.config
         if batch is None:
             sampler = self.sampler()
-            batches = [sampler.batch(self.step * c.grad_accum + i) for i in range(c.grad_accum)]
+            batches = [self._my_rows(sampler.batch(self.step * c.grad_accum + i)) for i in range(c.grad_accum)]
         else:
             batches = list(batch) if isinstance(batch, list) else [batch]
         if len(batches) != c.grad_accum:
@@ -214,10 +278,11 @@ class Engine:
         self.step += 1
         if not self._skip:
             self.adam_step += 1
-        tokens = sum(y.numel() for _, y in batches)
+        tokens = sum(y.numel() for _, y in batches) * self.world.size
         busy = _busy_by_queue(self.last_spans)
+        (loss,) = self.world.all_reduce([sum(self.compute.losses) / len(self.compute.losses) / self.world.size])
         return {
-            "step": self.step, "loss": sum(self.compute.losses) / len(self.compute.losses),
+            "step": self.step, "loss": loss,
             "lr": self.optimizer.hyper.lr, "grad_norm": self.grad_norm(), "skipped": bool(self._skip),
             "step_s": step_s, "tokens_per_s": tokens / step_s, "compute_s": busy.get("compute", 0.0),
             "optim_s": busy.get("optim", 0.0), "kept_bytes": self.compute.kept_bytes,
@@ -233,15 +298,16 @@ class Engine:
 
             self.sampler()
             c = self.config
-            val = BatchSampler(self.tokens.val, batch_size=c.batch_size, seq_len=c.seq_len, seed=c.seed + 1,
-                               vocab_size=self._sampler.vocab_size)
-            batches = [val.batch(i) for i in range(num_batches or c.eval_batches)]
+            val = BatchSampler(self.tokens.val, batch_size=c.batch_size * self.world.size, seq_len=c.seq_len,
+                               seed=c.seed + 1, vocab_size=self._sampler.vocab_size)
+            batches = [self._my_rows(val.batch(i)) for i in range(num_batches or c.eval_batches)]
         losses = []
         for x, y in batches:
             self.compute.begin([(x.to(self.device), y.to(self.device))], train=False)
             self.eval_executor.run()
             losses += self.compute.losses
-        return sum(losses) / len(losses)
+        (loss,) = self.world.all_reduce([sum(losses) / len(losses) / self.world.size])
+        return loss
 
     # -- checkpoints --------------------------------------------------------------------------
 

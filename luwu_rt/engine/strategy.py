@@ -1,0 +1,72 @@
+"""Which data-parallel strategy a run uses, and its plan.
+
+One process runs ``local``. With N ranks, ``TrainConfig.strategy`` names one
+of ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, or ``auto``: the planner
+plans each candidate (resolving ``auto`` placements too) and the shortest
+predicted step that fits wins, as it does for placements. Every rank plans
+from the same inputs and picks the same plan (the budgets are agreed first;
+``plan_digest`` then proves it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, plan_auto
+from luwu_rt.plan.ops import Collective
+from luwu_rt.plan.search import PlanResult
+from luwu_rt.plan.spec import Strategy
+
+__all__ = ["DATA_PARALLEL", "candidate_strategies", "choose_plan", "plan_digest"]
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+
+
+def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0) -> list[Strategy]:
+    """The strategies a run of ``world_size`` ranks may use under ``TrainConfig.strategy == name``."""
+    if world_size == 1:
+        return [Strategy()]  # every data-parallel strategy is ``local`` on one rank
+    if name == "local":
+        raise ValueError(f"strategy local runs one process, but this run has {world_size} ranks: choose "
+                         f"{', '.join(DATA_PARALLEL)} or auto")
+    if shard_group_size and world_size % shard_group_size:
+        raise ValueError(f"--shard-group-size {shard_group_size} does not divide the {world_size} ranks; "
+                         f"choose a divisor of {world_size}")
+    if name != "auto":
+        return [Strategy(name=name, world_size=world_size, group_size=shard_group_size if name == "hsdp" else 0)]
+    out = [Strategy(name=n, world_size=world_size) for n in DATA_PARALLEL if n != "hsdp"]
+    if 0 < shard_group_size < world_size:  # hsdp with G = N is zero3
+        out.append(Strategy(name="hsdp", world_size=world_size, group_size=shard_group_size))
+    return out
+
+
+def choose_plan(model: ModelSpec, *, strategies: list[Strategy], budgets: Budgets, placement: Placement,
+                profile: HardwareProfile = HardwareProfile()) -> tuple[Strategy, PlanResult]:
+    """The candidate strategy whose fastest fitting placement predicts the shortest step (the first of
+    equals). Raises the most memory-frugal candidate's ``DoesNotFit`` when none fits."""
+    best: tuple[Strategy, PlanResult] | None = None
+    error: ValueError | None = None
+    for strategy in strategies:
+        try:
+            result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile)
+        except ValueError as exc:
+            error = exc
+            continue
+        if best is None or result.cost.predicted_step_s < best[1].cost.predicted_step_s:
+            best = (strategy, result)
+    if best is None:
+        assert error is not None
+        raise error
+    return best
+
+
+def plan_digest(result: PlanResult) -> str:
+    """A digest of what every rank must agree on: the placement, and each queue's collectives in order
+    (their kind, unit and bytes). Ranks compare digests before the first step, so a rank that planned
+    differently is an error before any collective could mismatch."""
+    plan = result.plan
+    h = hashlib.sha256(repr((result.placement, plan.strategy, sorted(plan.comm_groups.items()))).encode())
+    for op in plan.ops:
+        if isinstance(op, Collective):
+            h.update(f"{type(op).__name__}:{op.queue}:{op.unit}:{op.collective}:{op.comm_bytes};".encode())
+    return h.hexdigest()[:16]
