@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,27 @@ class World:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.control)
         return out
+
+    def together(self, fn: Callable[[], Any]) -> list[Any]:
+        """Runs ``fn`` on every rank and returns every rank's result; when it raised on any rank, every
+        rank raises (the failing rank its own exception, the others one naming it), so no rank waits
+        for a peer that gave up."""
+        try:
+            mine: tuple[str | None, Any] = (None, fn())
+        except Exception as exc:
+            if not self.distributed:
+                raise
+            error, mine = exc, (f"{type(exc).__name__}: {exc}", None)
+        else:
+            error = None
+        results = self.all_gather_object(mine)
+        failed = [(r, e) for r, (e, _) in enumerate(results) if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            rank, text = failed[0]
+            raise RuntimeError(f"rank {rank} failed: {text}")
+        return [value for _, value in results]
 
     def barrier(self) -> None:
         if self.distributed:

@@ -10,6 +10,17 @@ loading verifies every checksum before handing data out.
 
 Tensors are streamed in one at a time (``CheckpointWriter.add``), so a model
 much larger than RAM checkpoints unit by unit.
+
+[Note: checkpoints of several ranks]
+With N ranks every rank writes its own files into one partial directory that
+rank 0 created: a state a strategy shards is saved as the slices of the first
+replica (``<name>.slice<i>of<W>``, each rank its own), a replicated one by rank
+0 alone. Each rank fsyncs its files; rank 0 gathers every rank's entries (file,
+dtype, shape, checksum), writes the manifest and renames the directory, and
+only then do the ranks go on (a barrier). ``read_joined`` puts a unit's slices
+back together, so a checkpoint carries no trace of the strategy or the number
+of ranks that wrote it: any strategy on any number of ranks loads it, and
+export reads it as one state dict.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints", "slice_name"]
 
 MANIFEST = "manifest.json"
 FORMAT = "luwu_rt.checkpoint/1"
@@ -65,11 +76,18 @@ class CheckpointWriter:
     partial directory and leaves earlier checkpoints untouched.
     """
 
-    def __init__(self, root: str | os.PathLike, *, step: int) -> None:
+    def __init__(self, root: str | os.PathLike, *, step: int, partial: str | os.PathLike | None = None) -> None:
+        """``partial``: join the partial directory another rank's writer created (that writer commits;
+        [Note: checkpoints of several ranks])."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
         self.root = Path(root)
         self.step = step
+        self.final = self.root / f"step_{step:08d}"
+        self._tensors: dict[str, dict[str, Any]] = {}
+        if partial is not None:
+            self.partial = Path(partial)
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -81,10 +99,8 @@ class CheckpointWriter:
             shutil.rmtree(stale, ignore_errors=True)
         for stale in self.root.glob(".old_step_*"):
             shutil.rmtree(stale, ignore_errors=True)
-        self.final = self.root / f"step_{step:08d}"
         self.partial = self.root / f".partial_step_{step:08d}_{uuid.uuid4().hex[:8]}"
         self.partial.mkdir()
-        self._tensors: dict[str, dict[str, Any]] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Writes ``tensor`` (a CPU tensor) as ``<name>.bin`` and fsyncs it."""
@@ -101,6 +117,18 @@ class CheckpointWriter:
             os.fsync(f.fileno())
         self._tensors[name] = {"file": path.name, "dtype": _dtype_name(data.dtype), "shape": list(data.shape),
                                "crc32c": _crc(data)}
+
+    @property
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """The manifest entries of the tensors this writer added."""
+        return dict(self._tensors)
+
+    def merge(self, entries: dict[str, dict[str, Any]]) -> None:
+        """Adds another rank's entries (files it wrote into this partial directory) to the manifest."""
+        clash = sorted(set(entries) & set(self._tensors))
+        if clash:
+            raise ValueError(f"checkpoint tensors {clash[:3]} were written by two ranks")
+        self._tensors.update(entries)
 
     def commit(self, meta: dict[str, Any]) -> Path:
         """Writes the manifest and makes the checkpoint visible; returns its directory."""
@@ -170,6 +198,27 @@ class CheckpointReader:
         if _crc(tensor) != entry["crc32c"]:
             raise OSError(errno.EIO, "checkpoint file does not match its checksum; the checkpoint is corrupt", str(path))
         return tensor
+
+    def read_joined(self, name: str, numel: int) -> torch.Tensor:
+        """The flat tensor ``name`` of ``numel`` elements, saved whole or as slices by several ranks
+        ([Note: checkpoints of several ranks])."""
+        if name in self.tensors:
+            flat = self.read(name).reshape(-1)
+        else:
+            slices = sorted((int(m.group(1)), int(m.group(2)), key) for key in self.tensors
+                            if (m := re.fullmatch(re.escape(name) + r"\.slice(\d+)of(\d+)", key)))
+            counts = {count for _, count, _ in slices}
+            if not slices or len(counts) != 1 or [i for i, _, _ in slices] != list(range(counts.pop())):
+                raise KeyError(f"checkpoint {self.directory} has no tensor {name!r} (whole or a full set of slices)")
+            flat = torch.cat([self.read(key).reshape(-1) for _, _, key in slices])
+        if flat.numel() < numel:
+            raise ValueError(f"checkpoint {self.directory}: {name} holds {flat.numel()} values, the model needs {numel}")
+        return flat[:numel]
+
+
+def slice_name(name: str, index: int, count: int) -> str:
+    """The name of slice ``index`` of ``count`` of the tensor ``name``."""
+    return f"{name}.slice{index}of{count}"
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:

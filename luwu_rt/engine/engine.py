@@ -41,7 +41,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,10 @@ from torch import nn
 from luwu_rt.config import from_mapping, merge
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
-from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_checkpoints
+from luwu_rt.engine.checkpoint import CheckpointReader, list_checkpoints
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
+from luwu_rt.engine.save import PERSISTENT, save_checkpoint
 from luwu_rt.engine.schedule import lr_at
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
@@ -67,9 +68,6 @@ from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
 __all__ = ["Engine"]
-
-PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
-
 
 def _as_chain(model: Any) -> UnitChain:
     """``as_unit_chain``, plus factories: a callable (not a module) is called to build the model."""
@@ -197,6 +195,9 @@ class Engine:
         out[: part.numel()] = part
         return out
 
+    def _dtype_of(self, state: str) -> torch.dtype:
+        return self.param_dtype if state == "param" else torch.float32
+
     def _materialize(self) -> None:
         """Initialises every unit from ``(seed, unit)`` straight into the store, one unit at a time."""
         for u in range(self.chain.num_units):
@@ -321,18 +322,14 @@ class Engine:
                           for u in range(self.chain.num_units)]}
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Writes a checkpoint of the current step under ``directory`` (atomically); returns its path."""
-        with CheckpointWriter(directory, step=self.step) as writer:
-            for u in range(self.chain.num_units):
-                n = self.chain.num_unit_params(u)
-                for state in PERSISTENT:
-                    dtype = self.param_dtype if state == "param" else torch.float32
-                    writer.add(f"u{u}.{state}", self.store.read_state(u, state, torch.empty(n, dtype=dtype)))
-            path = writer.commit({"config": asdict(self.config), "step": self.step,
-                                  "adam_step": self.adam_step, "model": self._signature()})
-        keep = self.config.checkpoint.keep
-        for old in list_checkpoints(directory)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Writes a checkpoint of the current step under ``directory`` (atomically); returns its path. With
+        several ranks every rank calls it ([Note: checkpoints of several ranks] in checkpoint.py)."""
+        path = save_checkpoint(self, directory)
+        if self.world.rank == 0:
+            keep = self.config.checkpoint.keep
+            for old in list_checkpoints(directory)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.world.barrier()
         return path
 
     @classmethod
@@ -346,7 +343,10 @@ class Engine:
             raise ValueError(f"checkpoint {directory} holds a different model than the one given "
                              f"(unit names or parameter shapes differ)")
         for u in range(engine.chain.num_units):
-            engine._write_unit(u, {state: reader.read(f"u{u}.{state}") for state in PERSISTENT})
+            n = engine.chain.num_unit_params(u)
+            # Whole or in slices, from any strategy and number of ranks; this rank keeps its part.
+            engine._write_unit(u, {state: reader.read_joined(f"u{u}.{state}", n).to(engine._dtype_of(state))
+                                   for state in PERSISTENT})
         engine.step, engine.adam_step = reader.meta["step"], reader.meta["adam_step"]
         return engine
 

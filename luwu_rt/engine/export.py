@@ -8,6 +8,7 @@ in the whole model's ``state_dict`` (for the built-in GPT:
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def export_state_dict(checkpoint: str | os.PathLike, *, dtype: torch.dtype = tor
     reader = CheckpointReader(checkpoint)
     out: dict[str, torch.Tensor] = {}
     for u, unit in enumerate(reader.meta["model"]["units"]):
-        flat = reader.read(f"u{u}.master")
+        numel = sum(math.prod(shape) for _, shape in unit["params"])
+        flat = reader.read_joined(f"u{u}.master", numel)  # whole, or the slices of several ranks
         offset = 0
         for name, shape in unit["params"]:
             n = 1

@@ -1,0 +1,46 @@
+"""What each rank process of the gloo tests runs (importable, so ``ranks.run_ranks`` can spawn it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEPS = 10
+SAVE_AT = 5
+
+
+def config(**overrides: Any):
+    """gpt-tiny on short sequences: a step takes milliseconds, every unit still streams."""
+    from luwu_rt.config import from_mapping, merge
+    from luwu_rt.engine import TrainConfig
+
+    base = {"model": "gpt-tiny", "steps": STEPS, "batch_size": 2, "seq_len": 32, "eval_every": 0,
+            "keep_graphs": "none", "offload": {"device_mem": "256MiB", "host_mem": "256MiB", "chunk_size": "64KiB"}}
+    return from_mapping(TrainConfig, merge(base, overrides))
+
+
+def train(rank: int, runs: list[tuple[str, dict]], save: dict[str, str] | None = None) -> dict[str, Any]:
+    """Each run of ``runs`` (``(key, config overrides)``) for ``STEPS`` steps: its losses, strategy and
+    placement; runs named in ``save`` also write a checkpoint at step ``SAVE_AT`` into the directory given."""
+    from luwu_rt.engine import Engine
+
+    out = {}
+    for key, overrides in runs:
+        with Engine(None, config(**overrides)) as engine:
+            losses = []
+            for _ in range(STEPS):
+                losses.append(engine.train_step()["loss"])
+                if save and key in save and engine.step == SAVE_AT:
+                    engine.save(save[key])
+            out[key] = {"losses": losses, "strategy": engine.strategy.name, "placement": engine.placement,
+                        "val": engine.evaluate(num_batches=1)}
+    return out
+
+
+def resume(rank: int, checkpoint: str, overrides: dict) -> dict[str, Any]:
+    """Continues the checkpoint to ``STEPS`` steps under ``overrides``; the losses of the steps it ran."""
+    from luwu_rt.engine import Engine
+
+    with Engine.load(checkpoint, overrides=overrides) as engine:
+        start = engine.step
+        losses = [engine.train_step()["loss"] for _ in range(start, STEPS)]
+        return {"losses": losses, "strategy": engine.strategy.name, "start": start}
