@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-size", default=None,
                         help="NVMe budget instead of the free space of --nvme-dir (e.g. to plan for another box)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
-    parser.add_argument("--strategy", default=None, choices=STRATEGIES,
-                        help=f"data-parallel strategy (default: local for one rank, ddp for more); `luwu train` runs "
+    parser.add_argument("--strategy", default=None, choices=STRATEGIES + ("auto",),
+                        help=f"data-parallel strategy (default: local for one rank; auto for more, the fastest "
+                             f"predicted that fits, as luwu train picks); `luwu train` runs "
                              f"{', '.join(RUNNABLE_STRATEGIES)} today, the others are planned and predicted only")
     parser.add_argument("--shard-group-size", "--group-size", dest="shard_group_size", type=int, default=None,
                         metavar="G", help="hsdp: ranks per sharding group, e.g. the GPUs of one server "
@@ -106,13 +107,17 @@ def _nvme_budget(args: argparse.Namespace) -> int:
 def _strategy(args: argparse.Namespace):
     from luwu_rt.plan import Strategy
 
-    name = args.strategy or ("local" if args.world_size == 1 else "ddp")
-    if args.shard_group_size is not None and name != "hsdp":
+    name = args.strategy or ("local" if args.world_size == 1 else "auto")
+    if args.shard_group_size is not None and name not in ("hsdp", "auto"):
         raise ValueError(f"--shard-group-size applies to --strategy hsdp only, not {name}")
     given = [f"--{f.replace('_', '-')}" for f in _NODE_FLAGS if getattr(args, f) is not None]
     if given and name != "node":
         raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --strategy node only, "
                          f"not {name}")
+    if name == "auto":
+        from luwu_rt.engine.strategy import candidate_strategies
+
+        return candidate_strategies("auto", world_size=args.world_size, shard_group_size=args.shard_group_size or 0)
     return Strategy(name=name, world_size=args.world_size, group_size=args.shard_group_size or 0)
 
 
@@ -134,7 +139,8 @@ def _model_spec(args: argparse.Namespace, shape, *, chunk_bytes: int):
     return train_model_spec(chain, batch_size=args.batch_size, seq_len=seq_len, grad_accum=args.grad_accum,
                             chunk_bytes=chunk_bytes, dtype=args.dtype,
                             keep_graph=kept_units(keep, num_units=chain.num_units, device_type=device_type),
-                            optimizer_waits_for_backward=args.grad_clip > 0 or args.dtype == "fp16")
+                            optimizer_waits_for_backward=args.grad_clip > 0 or args.dtype == "fp16",
+                            world_size=args.world_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
                       host_bytes=parse_size(args.host_mem) if args.host_mem else _default_host_bytes(),
                       nvme_bytes=_nvme_budget(args))
     strategy = _strategy(args)
+    candidates = strategy if isinstance(strategy, list) else [strategy]
+    strategy = candidates[0]
     placement = Placement(params=args.offload_params, optimizer=args.offload_optimizer, grads=args.offload_grads)
     profile = HardwareProfile.from_json(args.profile) if args.profile else HardwareProfile()
     head = {"model": shape.name, "params": model.num_params, "strategy": strategy.name,
@@ -156,8 +164,15 @@ def run(args: argparse.Namespace) -> int:
             "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
             "runnable": strategy.name in RUNNABLE_STRATEGIES}
     try:
-        result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
-                           policy=args.policy)
+        if len(candidates) > 1:  # auto: the strategy luwu train would pick
+            from luwu_rt.engine.strategy import choose_plan
+
+            strategy, result = choose_plan(model, strategies=candidates, budgets=budgets, placement=placement,
+                                           profile=profile)
+            head["strategy"] = strategy.name
+        else:
+            result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
+                               policy=args.policy)
         node = _plan_node(args, model, strategy, profile) if strategy.name == "node" else None
     except DoesNotFit as exc:
         reason = str(exc)

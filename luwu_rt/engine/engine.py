@@ -143,8 +143,7 @@ class Engine:
         """The planner's view of this run; its activation reserve is measured by running the chain on the
         meta device as the step will ([Note: activation estimate] in workload.py), the same function
         ``luwu plan`` answers with, so both agree on what fits."""
-        spec = config_model_spec(self.chain, self.config, device_type=self.device.type)
-        return replace(spec, grad_bytes=4) if self.world.distributed else spec
+        return config_model_spec(self.chain, self.config, device_type=self.device.type, world_size=self.world.size)
 
     def _plan(self) -> None:
         off, world = self.config.offload, self.world

@@ -161,30 +161,33 @@ def kept_units(keep_graphs: int | str, *, num_units: int, device_type: str) -> f
 def train_model_spec(chain: UnitChain, *, batch_size: int, seq_len: int, chunk_bytes: int, grad_accum: int = 1,
                      dtype: torch.dtype | str = torch.float32, keep_graph: Iterable[int] = (),
                      optimizer_waits_for_backward: bool = False, snapshot_units: Iterable[int] | None = None,
-                     example: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelSpec:
+                     example: tuple[torch.Tensor, torch.Tensor] | None = None, world_size: int = 1) -> ModelSpec:
     """The ``ModelSpec`` of training ``chain`` as the engine does: one shard per (unit, state), since a unit's
     parameters must be one contiguous run of device bytes that its modules can point at (chunks still cut
     its IO); ``grad_accum`` micro-batches of ``batch_size`` x ``seq_len`` tokens computed in ``dtype``; and
-    the measured activation peak of ``measure_activations`` as the device reserve."""
+    the measured activation peak of ``measure_activations`` as the device reserve. With ``world_size`` > 1
+    the gradients are fp32, as ranks reduce them ([Note: data parallelism in the engine])."""
     compute_dtype = _compute_dtype(dtype)
     units = unit_specs(chain)
     activations = measure_activations(chain, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                                       dtype=compute_dtype, keep_graph=keep_graph, snapshot_units=snapshot_units,
                                       example=example)
-    return ModelSpec(units=units, param_bytes=compute_dtype.itemsize, grad_bytes=compute_dtype.itemsize,
+    return ModelSpec(units=units, param_bytes=compute_dtype.itemsize,
+                     grad_bytes=4 if world_size > 1 else compute_dtype.itemsize,
                      chunk_bytes=chunk_bytes, max_shards_per_state=1,
                      tokens_per_step=batch_size * seq_len * grad_accum, num_micro_batches=grad_accum,
                      optimizer_waits_for_backward=optimizer_waits_for_backward,
                      activation_bytes=activations.peak_bytes)
 
 
-def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: str) -> ModelSpec:
+def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: str, world_size: int = 1) -> ModelSpec:
     """``train_model_spec`` for a run of ``config`` on a ``device_type`` device: what ``Engine`` plans, and the
     device budget it needs is ``activation_bytes`` plus the arena it leaves for shards."""
     return train_model_spec(chain, batch_size=config.batch_size, seq_len=config.seq_len,
                             grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_size, dtype=config.dtype,
                             keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units, device_type=device_type),
-                            optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16")
+                            optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16",
+                            world_size=world_size)
 
 
 def device_budget(config: "TrainConfig", *, arena_bytes: int, chain: UnitChain | None = None,

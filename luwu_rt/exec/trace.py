@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from luwu_rt.plan.ops import Op
 
-__all__ = ["Span", "write_chrome_trace"]
+__all__ = ["Span", "write_chrome_trace", "write_rank_traces"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,13 +35,24 @@ class Span:
 
 def write_chrome_trace(spans: Iterable[Span], path: str | os.PathLike) -> None:
     """One complete event (``ph: X``) per span, one track per queue."""
-    events = [
-        {
-            "name": s.name, "cat": s.queue, "ph": "X", "pid": 0, "tid": s.queue,
-            "ts": s.start_s * 1e6, "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
-            "args": {"bytes": s.nbytes, "tier": s.tier},
-        }
-        for s in spans
-    ]
+    write_rank_traces([spans], path)
+
+
+def write_rank_traces(ranks: Sequence[Iterable[Span]], path: str | os.PathLike) -> None:
+    """``ranks[r]``'s spans as process ``rank r``, one track per queue: one file for a run of several ranks.
+    Each rank's times count from the start of its own step; the ranks start their steps together, held by
+    the collectives of the step before."""
+    events: list[dict] = []
+    for rank, spans in enumerate(ranks):
+        if len(ranks) > 1:
+            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events += [
+            {
+                "name": s.name, "cat": s.queue, "ph": "X", "pid": rank, "tid": s.queue,
+                "ts": s.start_s * 1e6, "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
+                "args": {"bytes": s.nbytes, "tier": s.tier},
+            }
+            for s in spans
+        ]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

@@ -24,10 +24,9 @@ PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
 """Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it."""
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
-RUNNABLE_STRATEGIES = ("local",)
+RUNNABLE_STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp")
 """Strategies ``luwu train`` can run today; ``luwu plan`` says so for the others, whose plans are
-predictions only. The distributed-strategies issue (ddp, zero1/2/3, hsdp) and the node issue (node)
-extend it as their executors land."""
+predictions only (``node`` until the optimizer node service lands)."""
 PLACEMENT_CHOICES = ("device", "host", "nvme", "auto")
 ALIGN_BYTES = 4096
 """O_DIRECT alignment: every state buffer and chunk is a multiple of this."""

@@ -44,3 +44,22 @@ def resume(rank: int, checkpoint: str, overrides: dict) -> dict[str, Any]:
         start = engine.step
         losses = [engine.train_step()["loss"] for _ in range(start, STEPS)]
         return {"losses": losses, "strategy": engine.strategy.name, "start": start}
+
+
+def hf_gpt2(world: int):
+    """A two-layer Hugging Face GPT-2 on meta, dropout off (each rank would draw other masks)."""
+    import transformers
+
+    from luwu_rt.models.hf import build_hf_chain
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return build_hf_chain(cfg)
+
+
+def train_hf(rank: int, overrides: dict, steps: int = 5) -> list[float]:
+    """Losses of ``steps`` steps of ``hf_gpt2`` under ``overrides``."""
+    from luwu_rt.engine import Engine
+
+    with Engine(hf_gpt2(1), config(**overrides)) as engine:
+        return [engine.train_step()["loss"] for _ in range(steps)]

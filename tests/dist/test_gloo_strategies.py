@@ -127,3 +127,11 @@ def test_checkpoints_move_between_numbers_of_ranks_and_strategies(reference, ckp
     with Engine.load(zero3_ckpt, overrides={"batch_size": 4}) as engine:
         assert engine.strategy.name == "local"
         _close([engine.train_step()["loss"] for _ in range(SAVE_AT, STEPS)], want, "zero3 checkpoint resumed on 1 rank")
+
+
+def test_hugging_face_gpt2_trains_under_zero3_as_on_one_rank(no_chaos):
+    pytest.importorskip("transformers", reason="transformers is not installed (optional dependency)")
+    on_device = ON_DEVICE
+    want = rank_jobs.train_hf(0, _merge(on_device, {"batch_size": 4}))
+    got = run_ranks(rank_jobs.train_hf, 2, _merge(on_device, {"strategy": "zero3"}), env={CHAOS_ENV: ""})
+    _close(got[0], want, "Hugging Face GPT-2 under zero3")

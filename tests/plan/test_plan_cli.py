@@ -103,9 +103,24 @@ def test_strategies_luwu_train_cannot_run_are_marked(capsys):
         text = capsys.readouterr().out
         assert f"plan only: `luwu train` cannot run strategy {strategy} yet" in text
     # A plan that does not fit still says whether the strategy could run.
+    code, out = run_json(capsys, "--model", "gpt-175b", "--strategy", "node", "--world-size", "8",
+                         "--host-mem", "1GiB", "--node-host-mem", "1GiB")
+    assert code == 1 and out["runnable"] is False
     code, out = run_json(capsys, "--model", "gpt-175b", "--strategy", "zero3", "--world-size", "8",
                          "--host-mem", "1GiB")
-    assert code == 1 and out["runnable"] is False
+    assert code == 1 and out["runnable"] is True
+
+
+def test_auto_strategy_is_the_default_for_several_ranks_and_picks_what_train_picks(capsys):
+    code, out = run_json(capsys, "--model", "gpt-small", "--world-size", "2", "--host-mem", "1GiB")
+    assert code == 0 and out["strategy"] in ("ddp", "zero1", "zero2", "zero3") and out["runnable"] is True
+    code, named = run_json(capsys, "--model", "gpt-small", "--world-size", "2", "--host-mem", "1GiB",
+                           "--strategy", out["strategy"])
+    assert named["predicted_step_s"] == out["predicted_step_s"]
+    # Under a host budget only sharding fits, auto must find a sharded strategy.
+    code, tight = run_json(capsys, "--model", "gpt-small", "--world-size", "2", "--device-mem", "200MiB",
+                           "--host-mem", "260MiB")
+    assert code == 0 and tight["strategy"] in ("zero1", "zero2", "zero3"), tight.get("reason")
 
 
 def test_shard_group_size_and_its_alias(capsys):
