@@ -1,13 +1,15 @@
 """The data-parallel strategies as plans: ZeRO's memory table, every rank's plan valid and issuing each
 group's collectives in one order, collectives with their buffers, gathers prefetched during backward."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from luwu_rt.models.presets import get_preset
-from luwu_rt.plan import (Budgets, Collective, Compute, Gather, ModelSpec, Placement, Reduce, Strategy, UnitSpec,
-                          Wait, gpt_model_spec, plan_step)
+from luwu_rt.plan import (Budgets, Collective, Compute, Gather, ModelSpec, NormReduce, OptimStep, Placement, Reduce,
+                          Strategy, UnitSpec, Wait, gpt_model_spec, plan_step)
 from luwu_rt.plan.analysis import state_bytes
 from luwu_rt.plan.validate import PlanError, validate_ranks
 
@@ -131,3 +133,28 @@ def test_ranks_issuing_a_group_in_different_orders_are_rejected() -> None:
     zero2 = plan_step(model, budgets=budgets, placement=placement, strategy=Strategy(name="zero2", world_size=2))
     with pytest.raises(PlanError, match="different collectives on group 'world'"):
         validate_ranks([zero3, zero2])
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "zero3"])
+def test_an_update_overlaps_the_next_units_collectives_when_clipping_is_off(name) -> None:
+    """Clipping off: unit k's optimizer step depends on its own reduction only, and unit k-1's reduction
+    depends on no optimizer step, so both can be in flight at once; with clipping on every update waits
+    for the norm's all-reduce, which waits for every reduction."""
+    for clip in (False, True):
+        model = replace(gpt_model_spec(get_preset("gpt-tiny"), chunk_bytes=64 << 10), optimizer_waits_for_backward=clip)
+        plan = plan_step(model, budgets=ROOMY, placement=Placement(params="device", optimizer="host", grads="host"),
+                         strategy=Strategy(name=name, world_size=2))
+        ops = plan.ops
+        ancestors: list[set[int]] = []
+        for op in ops:
+            ancestors.append(set(op.deps).union(*(ancestors[d] for d in op.deps)))
+        for k in range(len(model.units) - 1, 0, -1):
+            step = next(i for i, op in enumerate(ops) if isinstance(op, OptimStep) and op.unit == k)
+            reduce_prev = next(i for i, op in enumerate(ops) if isinstance(op, Reduce) and op.unit == k - 1)
+            norm = next(i for i, op in enumerate(ops) if isinstance(op, NormReduce))
+            if clip:
+                assert norm in ancestors[step], f"{name}: the update of unit {k} does not wait for the norm"
+            else:
+                assert reduce_prev not in ancestors[step], f"{name}: the update of unit {k} waits for unit {k - 1}'s reduce"
+                assert not any(isinstance(ops[d], OptimStep) for d in ancestors[reduce_prev] | {reduce_prev}), \
+                    f"{name}: unit {k - 1}'s reduce waits for an optimizer step"
