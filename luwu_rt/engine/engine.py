@@ -164,11 +164,10 @@ class Engine:
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
-        # Evaluation runs a forward-only plan over the same store: the same layout, homes and reserve.
-        one_batch = self.model_spec.tokens_per_step // self.model_spec.num_micro_batches
-        self.eval_plan = plan_step(replace(self.model_spec, forward_only=True, num_micro_batches=1,
-                                           tokens_per_step=one_batch), budgets=budgets, placement=self.placement,
-                                   strategy=self.strategy)
+        # Evaluation runs a forward-only plan (one micro-batch) over the same store: the same layout (which
+        # depends on the micro-batches: accumulating reduce-scatters have a workspace), homes and reserve.
+        self.eval_plan = plan_step(replace(self.model_spec, forward_only=True), budgets=budgets,
+                                   placement=self.placement, strategy=self.strategy)
         validate(self.eval_plan)
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
                                         io_backend=self.config.io_backend)

@@ -88,8 +88,8 @@ class ModelSpec:
     """Plan only the optimizer steps, the gradients already at their home as after a backward
     pass: the out-of-core optimizer step on its own (``luwu bench offload-step``)."""
     forward_only: bool = False
-    """Plan only the forward of every unit, the last one included (evaluation): no gradients, no
-    optimizer. With the same units, placement and budgets it lays out the store exactly as the
+    """Plan only the forward of every unit, the last one included, for one micro-batch (evaluation): no
+    gradients, no optimizer. With the same units, placement and budgets it lays out the store exactly as the
     training plan does, so both run over one store."""
 
     def __post_init__(self) -> None:

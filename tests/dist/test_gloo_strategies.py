@@ -135,3 +135,15 @@ def test_hugging_face_gpt2_trains_under_zero3_as_on_one_rank(no_chaos):
     want = rank_jobs.train_hf(0, _merge(on_device, {"batch_size": 4}))
     got = run_ranks(rank_jobs.train_hf, 2, _merge(on_device, {"strategy": "zero3"}), env={CHAOS_ENV: ""})
     _close(got[0], want, "Hugging Face GPT-2 under zero3")
+
+
+def test_gradient_accumulation_equals_local(chaos):
+    """Two micro-batches per step: ddp reduces once, on the last one; zero2 and zero3 reduce-scatter each
+    micro-batch and add the slices up."""
+    accum = _merge(ON_DEVICE, {"grad_accum": 2})
+    with chaos.off():
+        want = _local(accum, world=2)
+    runs = [(s, _merge(accum, {"strategy": s})) for s in ("ddp", "zero2", "zero3")]
+    results = run_ranks(rank_jobs.train, 2, runs, env={CHAOS_ENV: str(chaos.seed)})
+    for s, _ in runs:
+        _close(results[0][s]["losses"], want, f"{s} with 2 micro-batches per step (chaos)")
