@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="run N ranks on this machine (data parallel, each on its share of the cores); "
+                             "the same as torchrun --nproc-per-node N -m luwu_rt train ...")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,10 +97,18 @@ def _build(args: argparse.Namespace):
     if config.checkpoint.resume:
         latest = latest_checkpoint(config.checkpoint.dir)
         if latest is not None:
-            print(f"resuming from {latest}", file=sys.stderr)
+            _say(f"resuming from {latest}")
             return Engine.load(latest, overrides=settings)
-        print(f"no checkpoint in {config.checkpoint.dir}; starting from step 0", file=sys.stderr)
+        _say(f"no checkpoint in {config.checkpoint.dir}; starting from step 0")
     return Engine(None, config)
+
+
+def _say(line: str) -> None:
+    """A line on stderr from the first rank only (every rank of a multi-rank run runs this code)."""
+    import os
+
+    if int(os.environ.get("RANK") or 0) == 0:
+        print(line, file=sys.stderr)
 
 
 def _describe(engine) -> str:
@@ -105,11 +116,59 @@ def _describe(engine) -> str:
     from luwu_rt.plan import format_size
 
     peaks = ", ".join(f"{t} {format_size(n)}" for t, n in plan.peak_bytes.items() if n)
+    ranks = ""
+    if engine.world.distributed:
+        s = engine.strategy
+        group = f" in sharding groups of {s.shard_ways}" if s.name == "hsdp" else ""
+        why = " (auto: the fastest predicted step that fits)" if engine.config.strategy == "auto" else ""
+        ranks = f"; strategy {s.name} on {engine.world.size} ranks{group}{why}; peak per rank"
+    else:
+        ranks = "; peak"
     return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
-            f"params on {p.params}, optimizer state on {p.optimizer}, grads on {p.grads}; peak {peaks}")
+            f"params on {p.params}, optimizer state on {p.optimizer}, grads on {p.grads}{ranks} {peaks}")
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    world_size = int(os.environ.get("WORLD_SIZE") or 1)
+    if world_size > 1:  # a rank of torchrun or of --nproc: take its share of the cores before anything heavy
+        from luwu_rt.dist.launch import pin_cores
+
+        pin_cores(int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("LOCAL_WORLD_SIZE") or world_size))
+    if args.nproc is not None or world_size > 1:
+        from luwu_rt.config import from_mapping, load_toml, merge
+        from luwu_rt.dist.launch import launch, run_rank
+        from luwu_rt.engine import TrainConfig
+
+        if args.nproc is not None and args.nproc < 1:
+            raise ValueError(f"--nproc {args.nproc}: give a number of ranks >= 1")
+        if args.nproc is not None and world_size > 1:
+            raise ValueError("--nproc starts the ranks itself: leave it out under torchrun (WORLD_SIZE is set)")
+        # The whole config is checked here, so that the launcher fails before it starts any rank.
+        timeout = from_mapping(TrainConfig, merge(load_toml(args.config) if args.config else {},
+                                                  _overrides(args))).timeout
+        if args.nproc is not None and args.nproc > 1:
+            # The ranks get the flags that were given ('--flag=value', which a value starting with '-' survives).
+            argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _FLAGS
+                    if getattr(args, name) is not None]
+            argv += [f"--{name}" for name in ("resume", "quiet") if getattr(args, name)]
+            argv += [f"--config={args.config}"] if args.config else []
+            return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
+        if world_size > 1:
+            def train() -> int:
+                engine = _build(args)
+                try:
+                    code = _train(engine, args)
+                except KeyboardInterrupt:
+                    engine.close()
+                    raise
+                # Not in a finally: after a failed step the queue threads may be stuck in collectives, and
+                # run_rank exits the process without waiting for them.
+                engine.close()
+                return code
+
+            return run_rank(train, timeout_s=timeout)
     engine = _build(args)
     try:
         return _train(engine, args)
@@ -120,15 +179,19 @@ def run(args: argparse.Namespace) -> int:
 def _train(engine, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from luwu_rt.dist import health
+
     c = engine.config
-    print(_describe(engine), file=sys.stderr)
-    log = open(c.json_log, "a") if c.json_log else None
+    first = engine.world.rank == 0  # metrics are global: only the first rank reports them
+    _say(_describe(engine))
+    log = open(c.json_log, "a") if c.json_log and first else None
     totals = {"step_s": 0.0, "compute_s": 0.0, "optim_s": 0.0, "io_s": 0.0, "wait_s": 0.0}
     ran = 0
-    bar = tqdm(total=c.steps, initial=engine.step, disable=args.quiet, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=c.steps, initial=engine.step, disable=args.quiet or not first, unit="step", dynamic_ncols=True)
     try:
         while engine.step < c.steps:
             m = engine.train_step()
+            health.progress(engine.step)  # a failure report names the step a silent rank stopped at
             ran += 1
             for key in totals:
                 totals[key] += m[key]
@@ -139,7 +202,9 @@ def _train(engine, args: argparse.Namespace) -> int:
                                                         "grad_norm", "skipped")}) + "\n")
                 log.flush()
             if c.eval_every and engine.step % c.eval_every == 0:
-                bar.write(f"step {engine.step}: validation loss {engine.evaluate():.4f}")
+                val = engine.evaluate()  # on every rank: a collective under sharded strategies
+                if first:
+                    bar.write(f"step {engine.step}: validation loss {val:.4f}")
             if c.checkpoint.dir and c.checkpoint.every and engine.step % c.checkpoint.every == 0:
                 engine.save(c.checkpoint.dir)
     finally:
@@ -149,10 +214,12 @@ def _train(engine, args: argparse.Namespace) -> int:
     if c.checkpoint.dir and (not c.checkpoint.every or engine.step % c.checkpoint.every):
         engine.save(c.checkpoint.dir)
     if c.trace and engine.last_spans:
-        from luwu_rt.exec import write_chrome_trace
+        from luwu_rt.exec import write_rank_traces
 
-        write_chrome_trace(engine.last_spans, c.trace)
-    if ran:
+        every = engine.world.all_gather_object(engine.last_spans)  # one file, one process row per rank
+        if first:
+            write_rank_traces(every, c.trace)
+    if ran and first:
         avg = {k: v / ran for k, v in totals.items()}
         other = max(avg["step_s"] - avg["compute_s"] - avg["wait_s"], 0.0)
         print(f"step {engine.step}: loss {m['loss']:.4f}; per step {avg['step_s'] * 1e3:.1f} ms = compute "

@@ -124,6 +124,15 @@ def test_checkpoints_move_between_numbers_of_ranks_and_strategies(reference, ckp
         got = run_ranks(rank_jobs.resume, 2, str(source), on_two, env=env)[0]
         assert got["start"] == SAVE_AT and got["strategy"] == "ddp"
         _close(got["losses"], want, f"{source.parent.name} checkpoint resumed on 2 ranks under ddp")
+    # Exported, the zero3 run's slices are one ordinary state dict, equal to the single-process run's.
+    import torch
+
+    from luwu_rt.engine.export import export_state_dict
+
+    sharded, whole = export_state_dict(zero3_ckpt), export_state_dict(local_ckpt)
+    assert sharded.keys() == whole.keys()
+    for name, value in whole.items():
+        assert sharded[name].shape == value.shape and torch.allclose(sharded[name], value, rtol=1e-4, atol=1e-6), name
     with Engine.load(zero3_ckpt, overrides={"batch_size": 4}) as engine:
         assert engine.strategy.name == "local"
         _close([engine.train_step()["loss"] for _ in range(SAVE_AT, STEPS)], want, "zero3 checkpoint resumed on 1 rank")
