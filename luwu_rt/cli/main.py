@@ -17,6 +17,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("train",), "luwu_rt.cli.train", "train a model larger than the device and host budgets (default: gpt-tiny)"),
     (("ckpt",), "luwu_rt.cli.ckpt", "list, verify and export checkpoints (safetensors or torch.save)"),
     (("plan",), "luwu_rt.cli.plan", "plan a training step: where each state lives, peak memory, IO and step time"),
+    (("plot",), "luwu_rt.cli.plot", "plot a run's --json-log: loss, tokens/s and where the step time went"),
     (("bench", "io"), "luwu_rt.cli.bench_io", "O_DIRECT write/read throughput of the IO engine on a directory"),
     (("bench", "offload-step"), "luwu_rt.cli.bench_offload", "one AdamW step with optimizer state on NVMe vs the IO bound"),
     (("bench", "optim"), "luwu_rt.cli.bench_optim", "optimizer step throughput: our backends vs peers vs memory"),

@@ -176,6 +176,11 @@ def run(args: argparse.Namespace) -> int:
         engine.close()  # joins the queue threads, also when a step failed or was interrupted
 
 
+_LOGGED = ("step", "loss", "tokens_per_s", "step_s", "lr", "grad_norm", "skipped", "compute_s", "wait_s",
+           "optim_s", "io_s")
+"""Fields of a step's line in ``--json-log``; an evaluation adds a line ``{"step", "val_loss"}``."""
+
+
 def _train(engine, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -186,7 +191,7 @@ def _train(engine, args: argparse.Namespace) -> int:
     _say(_describe(engine))
     log = open(c.json_log, "a") if c.json_log and first else None
     totals = {"step_s": 0.0, "compute_s": 0.0, "optim_s": 0.0, "io_s": 0.0, "wait_s": 0.0}
-    ran = 0
+    ran, speed = 0, 0.0
     bar = tqdm(total=c.steps, initial=engine.step, disable=args.quiet or not first, unit="step", dynamic_ncols=True)
     try:
         while engine.step < c.steps:
@@ -196,15 +201,19 @@ def _train(engine, args: argparse.Namespace) -> int:
             for key in totals:
                 totals[key] += m[key]
             bar.update(1)
-            bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
+            # Tokens/s of one step jumps with the machine's noise; the bar shows a moving average.
+            speed = m["tokens_per_s"] if ran == 1 else 0.9 * speed + 0.1 * m["tokens_per_s"]
+            bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{speed:.0f}")
             if log:
-                log.write(json.dumps({k: m[k] for k in ("step", "loss", "tokens_per_s", "step_s", "lr",
-                                                        "grad_norm", "skipped")}) + "\n")
+                log.write(json.dumps({k: m[k] for k in _LOGGED}) + "\n")
                 log.flush()
             if c.eval_every and engine.step % c.eval_every == 0:
                 val = engine.evaluate()  # on every rank: a collective under sharded strategies
                 if first:
                     bar.write(f"step {engine.step}: validation loss {val:.4f}")
+                if log:
+                    log.write(json.dumps({"step": engine.step, "val_loss": val}) + "\n")
+                    log.flush()
             if c.checkpoint.dir and c.checkpoint.every and engine.step % c.checkpoint.every == 0:
                 engine.save(c.checkpoint.dir)
     finally:
