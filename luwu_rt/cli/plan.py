@@ -38,10 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from luwu_rt.models.presets import PRESETS
     from luwu_rt.plan.spec import RUNNABLE_STRATEGIES, STRATEGIES
 
-    parser.add_argument("--model", default="gpt-tiny", choices=list(PRESETS), metavar="PRESET",
-                        help=f"built-in model preset ({', '.join(PRESETS)}); default gpt-tiny")
-    parser.add_argument("--device-mem", default="16GiB", help="device memory budget, e.g. 80GiB (default 16GiB)")
-    parser.add_argument("--host-mem", default=None, help="pinned host memory budget (default: this machine's RAM)")
+    # One source of defaults: luwu train's (TrainConfig), so the same flags ask both commands the same question.
+    from luwu_rt.engine.config import OffloadConfig, TrainConfig
+
+    run, off = TrainConfig(), OffloadConfig()
+    mib = lambda n: f"{n // 2**20}MiB"  # noqa: E731
+    parser.add_argument("--model", default=run.model, choices=list(PRESETS), metavar="PRESET",
+                        help=f"built-in model preset ({', '.join(PRESETS)}); default {run.model}")
+    parser.add_argument("--device-mem", default=mib(off.device_mem),
+                        help=f"device memory budget including activations, e.g. 80GiB (default {mib(off.device_mem)}, "
+                             f"as luwu train)")
+    parser.add_argument("--host-mem", default=mib(off.host_mem),
+                        help=f"pinned host memory budget (default {mib(off.host_mem)}, as luwu train; 'all' for this "
+                             f"machine's RAM)")
     parser.add_argument("--nvme-dir", default=None, help="directory for the NVMe tier; its free space is the budget")
     parser.add_argument("--nvme-size", default=None,
                         help="NVMe budget instead of the free space of --nvme-dir (e.g. to plan for another box)")
@@ -53,21 +62,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-group-size", "--group-size", dest="shard_group_size", type=int, default=None,
                         metavar="G", help="hsdp: ranks per sharding group, e.g. the GPUs of one server "
                                           "(default min(8, N)); --group-size is an alias")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
-    parser.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the preset's maximum)")
-    parser.add_argument("--grad-accum", type=int, default=1,
-                        help="micro-batches of --batch-size sequences per optimizer step (default 1)")
+    parser.add_argument("--batch-size", type=int, default=run.batch_size,
+                        help=f"sequences per micro-batch (per rank) (default {run.batch_size})")
+    parser.add_argument("--seq-len", type=int, default=run.seq_len,
+                        help=f"tokens per sequence (default {run.seq_len}; 0: the preset's maximum)")
+    parser.add_argument("--grad-accum", type=int, default=run.grad_accum,
+                        help=f"micro-batches of --batch-size sequences per optimizer step (default {run.grad_accum})")
     for state in ("params", "optimizer", "grads"):
         parser.add_argument(f"--offload-{state}", default="auto", choices=_TIER_CHOICES,
                             help=f"home tier of the {state} (default auto: fastest placement that fits)")
-    parser.add_argument("--chunk-size", default="64MiB", help="storage chunk size, a multiple of 4KiB (default 64MiB)")
-    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
-                        help="compute dtype of parameters and activations (default bf16; `luwu train` defaults to fp32)")
-    parser.add_argument("--keep-graphs", default="none", metavar="auto|all|none|N",
+    parser.add_argument("--chunk-size", default=mib(off.chunk_size),
+                        help=f"storage chunk size, a multiple of 4KiB (default {mib(off.chunk_size)})")
+    parser.add_argument("--dtype", default=run.dtype, choices=("fp32", "bf16", "fp16"),
+                        help=f"compute dtype of parameters and activations (default {run.dtype})")
+    parser.add_argument("--keep-graphs", default=str(run.keep_graphs), metavar="auto|all|none|N",
                         help="units that keep their forward graph until backward instead of recomputing it, as in "
-                             "`luwu train`: their activations count against the device budget (default none, the "
-                             "least memory; auto means what `luwu train` does on this machine)")
-    parser.add_argument("--grad-clip", type=float, default=1.0,
+                             "`luwu train`: their activations count against the device budget (default auto: what "
+                             "`luwu train` does on this machine, all on the CPU, none on a GPU)")
+    parser.add_argument("--grad-clip", type=float, default=run.optim.grad_clip,
                         help="global-norm clip, 0 off (default 1.0, as `luwu train`): with it, updates wait for the "
                              "whole backward")
     node = parser.add_argument_group("optimizer node (--strategy node)")
@@ -151,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     shape = get_preset(args.model)
     model = _model_spec(args, shape, chunk_bytes=parse_size(args.chunk_size))
     budgets = Budgets(device_bytes=parse_size(args.device_mem),
-                      host_bytes=parse_size(args.host_mem) if args.host_mem else _default_host_bytes(),
+                      host_bytes=_default_host_bytes() if args.host_mem == "all" else parse_size(args.host_mem),
                       nvme_bytes=_nvme_budget(args))
     strategy = _strategy(args)
     candidates = strategy if isinstance(strategy, list) else [strategy]

@@ -39,3 +39,19 @@ def test_plan_and_train_agree_on_a_grid_of_budgets(capsys, keep, dtype, grad_acc
             assert planned["peak_bytes"] == dict(engine.plan.peak_bytes)
         finally:
             engine.close()
+
+
+def test_with_no_flags_plan_answers_for_the_run_train_makes(capsys) -> None:
+    """One source of defaults: `luwu plan` alone plans `luwu train` alone (model, batch, sequence, dtype,
+    chunk size, budgets, kept graphs, clipping)."""
+    assert main(["plan", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    with Engine(None, TrainConfig(), materialize=False) as engine:
+        p = engine.placement
+        assert planned["model"] == engine.config.model
+        assert planned["tokens_per_step"] == engine.model_spec.tokens_per_step
+        assert planned["budgets"]["device"] == engine.config.offload.device_mem
+        assert planned["budgets"]["host"] == engine.config.offload.host_mem
+        assert planned["activation_bytes"] == engine.model_spec.activation_bytes
+        assert planned["placement"] == {"params": p.params, "optimizer": p.optimizer, "grads": p.grads}
+        assert planned["peak_bytes"] == dict(engine.plan.peak_bytes)
