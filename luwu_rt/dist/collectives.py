@@ -59,7 +59,17 @@ class Group(Protocol):
 
 
 class TorchGroup:
-    """A ``torch.distributed`` process group as a ``Group``."""
+    """A ``torch.distributed`` process group as a ``Group``.
+
+    [Note: collectives on gloo]
+    Measured on the wire (benchmarks/bench_dist.py), gloo's reduce-scatter sends
+    as much as a whole all-reduce, twice the ring algorithm's (N-1)/N of the
+    buffer. On gloo a reduce-scatter is therefore an all-to-all of the N
+    pieces, which moves exactly (N-1)/N, followed by a local sum of the N
+    received pieces in rank order. An all-gather whose outputs are consecutive
+    pieces of one buffer (a unit's full buffer cut by rank) gathers straight
+    into that buffer (``all_gather_into_tensor``), without the staging copies
+    of the list form."""
 
     def __init__(self, group: object | None = None) -> None:
         import torch.distributed as dist
@@ -68,15 +78,42 @@ class TorchGroup:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self._gloo = dist.get_backend(group) == "gloo"
 
     def all_reduce(self, tensor: torch.Tensor) -> Handle:
         return self._dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Handle:
-        return self._dist.reduce_scatter(output, list(inputs), group=self.group, async_op=True)
+        if not self._gloo:
+            return self._dist.reduce_scatter(output, list(inputs), group=self.group, async_op=True)
+        send = torch.cat([t.reshape(-1) for t in inputs])  # [Note: collectives on gloo]
+        received = torch.empty_like(send)
+        work = self._dist.all_to_all_single(received, send, group=self.group, async_op=True)
+
+        def add_up() -> None:
+            torch.sum(received.view(self.size, -1), dim=0, out=output.view(-1))
+
+        return _Then([work], add_up)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
+        whole = _joined(outputs)
+        if whole is not None:
+            return self._dist.all_gather_into_tensor(whole, input, group=self.group, async_op=True)
         return self._dist.all_gather(list(outputs), input, group=self.group, async_op=True)
+
+
+def _joined(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat tensor over ``pieces`` when they are consecutive contiguous runs of one storage, else None."""
+    first = pieces[0]
+    if not all(p.is_contiguous() and p.dtype == first.dtype and p.untyped_storage().data_ptr()
+               == first.untyped_storage().data_ptr() for p in pieces):
+        return None
+    size = first.element_size()
+    for a, b in zip(pieces, pieces[1:]):
+        if a.data_ptr() + a.numel() * size != b.data_ptr():
+            return None
+    flat = first.reshape(-1)
+    return flat.as_strided((sum(p.numel() for p in pieces),), (1,))
 
 
 class _Then:

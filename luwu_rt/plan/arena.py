@@ -15,6 +15,9 @@ class Arena:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.high_water_bytes = 0
+        """End of the highest range ever allocated: the bytes an arena for this plan needs (the budget is
+        only the limit; allocating all of it would pin memory no op uses)."""
         # Free segments (start, end, free_op) sorted by start; adjacent segments may differ in
         # free_op, so a hole is a run of touching segments. free_op is None for never-used bytes.
         self._segments: list[tuple[int, int, int | None]] = [(0, capacity_bytes, None)] if capacity_bytes else []
@@ -65,6 +68,7 @@ class Arena:
         kept += [(max(a, end), b, f) for a, b, f in covered if b > end]
         self._segments = sorted(kept)
         self.used_bytes += nbytes
+        self.high_water_bytes = max(self.high_water_bytes, end)
         return start, deps
 
     def free(self, offset: int, nbytes: int, *, free_op: int) -> None:

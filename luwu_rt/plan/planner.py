@@ -329,13 +329,15 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     placement = effective_placement(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
-    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in model.initial_kinds and home_of(s.state, placement) == t)
+    # Only persistent kinds hold their home bytes all step long; an optimizer-only step's gradients start at
+    # home too, but each dies after its unit's update, so they count where a step uses them.
+    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and home_of(s.state, placement) == t)
             for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:
         for tier in TIERS:
             nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
-                         if not (n.shard.state in model.initial_kinds and home_of(n.shard.state, placement) == tier))
+                         if not (n.shard.state in PERSISTENT_KINDS and home_of(n.shard.state, placement) == tier))
             working[tier] = max(working[tier], nbytes)
     # Params and grads travel between the device and NVMe through a host staging copy.
     staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
@@ -398,7 +400,7 @@ def walk_steps(steps: list[Step], layout: dict[ShardId, ShardInfo], *, model: Mo
     walk.finish()
     return SwapPlan(ops=tuple(walk.ops), shards=layout, chunk_bytes=model.chunk_bytes,
                     homes={s: home_of(s, placement) for s in _kinds(layout)}, comm_groups=comm_groups, role=role,
-                    budgets=budgets, arena_bytes={t: a.capacity_bytes for t, a in walk.arenas.items()},
+                    budgets=budgets, arena_bytes={t: a.high_water_bytes for t, a in walk.arenas.items()},
                     device_reserve_bytes=reserve, strategy=strategy, policy=policy, home_slots=home_slots,
                     peak_bytes=walk.peak)
 

@@ -355,4 +355,5 @@ def test_forward_only_plan_reads_params_and_keeps_the_layout(params) -> None:
     assert names == [f"F{k}" for k in range(len(model.units))]
     assert evaluation.count("OptimStep") == 0 and evaluation.count("Store") == 0  # nothing is written back
     assert not any(a.shard.state == "grad" for op in evaluation.ops for a in op.inputs + op.outputs)
-    assert dict(evaluation.home_slots) == dict(train.home_slots) and evaluation.arena_bytes == train.arena_bytes
+    # The same homes; each plan's arena is as large as its own copies reach (a store built for both takes the larger).
+    assert dict(evaluation.home_slots) == dict(train.home_slots) and evaluation.arena_bytes.keys() == train.arena_bytes.keys()
