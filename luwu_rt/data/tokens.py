@@ -5,7 +5,10 @@
 * a text file: byte-level tokens (vocabulary 256), like the default corpus;
 * a ``.bin`` file: pre-tokenised ids as a flat little-endian uint16 or uint32
   array (nanoGPT's format), memory-mapped, never read whole;
-* a directory holding nanoGPT's ``train.bin`` and ``val.bin``.
+* a directory holding nanoGPT's ``train.bin`` and ``val.bin``;
+* with a tokenizer (``--tokenizer``, or an ``hf:PATH`` model's own), a text
+  file or a ``.jsonl`` file (documents in ``--text-field``), tokenised once
+  into a cached token file beside it ([Note: the token cache] in tokenize.py).
 
 A single source is split deterministically: the last ``val_fraction`` of the
 tokens is the validation set, the rest is the training set.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +54,11 @@ class DataConfig:
     """Share of a single source held out (from its end) for validation."""
     max_corpus_bytes: int = DEFAULT_CORPUS_BYTES
     """How much standard-library source the default corpus reads."""
+    tokenizer: str | None = None
+    """``tokenizer.json`` or a folder holding one, for a text or JSONL ``path``; ``None``: the ``hf:PATH``
+    model's own tokenizer if its folder has one, else byte-level text (JSONL needs a tokenizer)."""
+    text_field: str = "text"
+    """The field of each JSONL line that holds a document."""
 
     def __post_init__(self) -> None:
         if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
@@ -83,8 +92,10 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token dtype of a .bin file (default: uint16 if the vocabulary fits, else uint32)")
 
 
-def load_tokens(config: DataConfig | None = None, *, vocab_size: int) -> TokenData:
-    """Open the configured source for a model with ``vocab_size`` token ids."""
+def load_tokens(config: DataConfig | None = None, *, vocab_size: int,
+                default_tokenizer: str | os.PathLike | None = None) -> TokenData:
+    """Open the configured source for a model with ``vocab_size`` token ids; ``default_tokenizer`` (a model
+    folder) tokenises text when ``config.tokenizer`` is not given and it holds a ``tokenizer.json``."""
     config = config or DataConfig()
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, not {vocab_size}")
@@ -100,6 +111,18 @@ def load_tokens(config: DataConfig | None = None, *, vocab_size: int) -> TokenDa
     if path.suffix == ".bin":
         tokens = _open_bin(path, config, vocab_size)
         return _split(tokens, config, vocab_size=vocab_size, source=str(path))
+    tokenizer = config.tokenizer
+    if tokenizer is None and default_tokenizer is not None and (Path(default_tokenizer) / "tokenizer.json").is_file():
+        tokenizer = default_tokenizer
+    if tokenizer is not None or path.suffix == ".jsonl":
+        if tokenizer is None:
+            raise ValueError(f"--data {path} is JSONL and needs --tokenizer (a tokenizer.json or a model folder)")
+        if not path.is_file():
+            raise FileNotFoundError(errno.ENOENT, "data file not found (check --data)", str(path))
+        from luwu_rt.data.tokenize import tokenized
+
+        tokens = tokenized(path, tokenizer_path=tokenizer, text_field=config.text_field, vocab_size=vocab_size)
+        return _split(tokens, config, vocab_size=vocab_size, source=f"{path} (tokenized with {tokenizer})")
     if config.token_dtype is not None:
         raise ValueError(f"--data-dtype applies to .bin token files; {str(path)!r} is read as byte-level text")
     _require_byte_vocab(vocab_size, f"text file {str(path)!r}")

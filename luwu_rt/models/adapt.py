@@ -18,12 +18,18 @@ def as_unit_chain(model: object, *, loss_fn: LossFn = lm_loss) -> UnitChain:
 
     * a ``UnitChain`` (returned as is);
     * a preset name such as ``"gpt-125m"`` or a ``GPTShape`` (built on meta);
+    * ``"hf:PATH"``, a local Hugging Face model folder (built on meta from its config; ``chain.source``
+      tells the engine to stream its weights in);
     * a ``GPT`` module;
     * an ``nn.Sequential``, ``nn.ModuleList`` or list of modules (one unit each, ``loss_fn`` on the output);
     * a Hugging Face GPT-2 / Llama-family causal LM, or its config (built on meta).
     """
     if isinstance(model, UnitChain):
         return model
+    if isinstance(model, str) and model.startswith("hf:"):
+        from luwu_rt.models.hf import HF_SCHEME, load_pretrained_chain
+
+        return load_pretrained_chain(model[len(HF_SCHEME):])
     if isinstance(model, (str, GPTShape)):
         return build_gpt(model)
     if isinstance(model, GPT):

@@ -16,6 +16,7 @@ mask then comes from SDPA's ``is_causal``, which is why the chain requires
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,10 @@ from torch import nn
 
 from luwu_rt.models.units import UnitChain, lm_loss
 
-__all__ = ["HFCausalLMChain", "build_hf_chain"]
+__all__ = ["HF_SCHEME", "HFCausalLMChain", "build_hf_chain", "load_pretrained_chain"]
+
+HF_SCHEME = "hf:"
+"""``model="hf:PATH"``: a local Hugging Face model folder ([Note: where the first weights come from] in weights.py)."""
 
 
 def _require_transformers() -> Any:
@@ -74,6 +78,8 @@ class HFCausalLMChain(UnitChain):
             raise ValueError(f"unit-wise execution needs attn_implementation='sdpa' (got {attn!r}): layers run "
                              "without a mask and rely on SDPA's causal flag")
         self.model = model
+        self.source: Path | None = None
+        """The model folder the chain was built from (``hf:PATH``); its weights are the run's first weights."""
         self._rotary: nn.Module | None = None
         if hasattr(model, "transformer") and hasattr(model.transformer, "wpe"):
             body = model.transformer
@@ -94,6 +100,11 @@ class HFCausalLMChain(UnitChain):
         units = [embed, *layers, _Head(norm, model.lm_head)]
         names = ["embed", *(f"layer{i}" for i in range(len(layers))), "head"]
         super().__init__(units, loss_fn=lm_loss, init_fn=model._init_weights, names=names)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds, from its config (the data loader checks the data against it)."""
+        return int(self.model.config.vocab_size)
 
     def context(self, inputs: torch.Tensor) -> _LlamaContext | None:
         if self._rotary is None:
@@ -125,3 +136,17 @@ def build_hf_chain(config: Any) -> HFCausalLMChain:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return HFCausalLMChain(model)
+
+
+def load_pretrained_chain(path: str | Path) -> HFCausalLMChain:
+    """The chain of a local model folder (``config.json`` + safetensors, as ``save_pretrained`` writes it),
+    built on meta from its config; the engine streams the weights in unit by unit (``chain.source``).
+    Nothing is downloaded: a hub name that is not a local folder is an error."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; hf:PATH takes a local model folder as save_pretrained "
+                                "writes it (nothing is downloaded)")
+    transformers = _require_transformers()
+    chain = build_hf_chain(transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    chain.source = folder
+    return chain
