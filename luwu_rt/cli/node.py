@@ -1,0 +1,42 @@
+"""``luwu node serve``: an optimizer node for workers of ``luwu train --strategy node``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                        help="ZeroMQ address to listen on (default tcp://127.0.0.1:5555; a port of * lets the system "
+                             "pick one, see --ready-file); any address but loopback needs --auth-keys")
+    parser.add_argument("--num-workers", type=int, required=True, metavar="N",
+                        help="workers that train with this node (the --nproc of luwu train)")
+    parser.add_argument("--host-mem", default="1GiB", help="host memory for the node's states (default 1GiB)")
+    parser.add_argument("--nvme-dir", default=None, help="directory for states that do not fit in --host-mem")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds to wait for a worker's gradients before stopping and naming it (default 300)")
+    parser.add_argument("--auth-keys", default=None, metavar="DIR",
+                        help="CURVE: accept only clients whose keys are in DIR/clients (luwu node keygen DIR)")
+    parser.add_argument("--ready-file", default=None, metavar="FILE",
+                        help="write the bound address here once listening (for launchers)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import threading
+    from pathlib import Path
+
+    from luwu_rt.node.service import NodeConfig, NodeService
+
+    config = NodeConfig(bind=args.bind, num_workers=args.num_workers, host_mem=args.host_mem,
+                        nvme_dir=args.nvme_dir, timeout=args.timeout, auth_keys=args.auth_keys)
+    service = NodeService(config)
+    ready = threading.Event()
+    if args.ready_file:
+        def announce() -> None:
+            ready.wait()
+            tmp = Path(args.ready_file + ".tmp")
+            tmp.write_text(service.address)
+            tmp.replace(args.ready_file)  # whole or absent: a launcher never reads half an address
+
+        threading.Thread(target=announce, daemon=True).start()
+    return service.serve(ready=ready)

@@ -1,0 +1,51 @@
+"""``NodeConfig``: the settings of one optimizer node process (``luwu node serve`` flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from luwu_rt.plan.sizes import parse_size
+
+from .protocol import MAX_PAYLOAD_BYTES
+
+__all__ = ["NodeConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    """An optimizer node process (``luwu node serve`` flags)."""
+
+    bind: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ address the ROUTER binds; only loopback (``tcp://127.0.0.1``, ``ipc://``) until CURVE lands."""
+    num_workers: int = 1
+    """Workers that push to this node; every one must say HELLO before the first step."""
+    host_mem: int | str = "1GiB"
+    """Host memory for the node's states (master weights, moments, gradients, served parameters)."""
+    nvme_dir: str | None = None
+    """Directory for states that do not fit in ``host_mem`` (scratch: rebuilt at start)."""
+    timeout: float = 300.0
+    """Seconds the node waits for a worker's gradients before it stops and names the missing rank."""
+    max_message_bytes: int | str = MAX_PAYLOAD_BYTES
+    """Largest payload accepted (a message chunk is at most 16 MiB)."""
+    io_backend: str = "auto"
+    """IO engine backend of the NVMe tier."""
+    auth_keys: str | None = None
+    """Directory made by ``luwu node keygen``: CURVE with its allow-list of client keys ([Note: node keys]
+    in auth.py); required to bind anything but loopback."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"--num-workers must be a positive integer, got {self.num_workers!r}")
+        self.host_mem = parse_size(self.host_mem)
+        self.max_message_bytes = parse_size(self.max_message_bytes)
+        if not 0 < self.max_message_bytes <= MAX_PAYLOAD_BYTES:
+            raise ValueError(f"max_message_bytes must be in (0, {MAX_PAYLOAD_BYTES}], got {self.max_message_bytes}")
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not _is_loopback(self.bind) and not self.auth_keys:
+            raise ValueError(f"--bind {self.bind}: binding anything but loopback needs --auth-keys DIR (CURVE keys "
+                             f"from `luwu node keygen DIR`), or bind tcp://127.0.0.1:PORT")
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost:", "tcp://[::1]:"))

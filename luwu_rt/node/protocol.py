@@ -1,0 +1,167 @@
+"""The optimizer node's wire format: one fixed binary header, then raw payload frames; never pickle.
+
+[Note: the node protocol]
+Workers connect a DEALER to the node's ROUTER. A message is the multipart
+``[header, payload]`` (the payload frame only where ``nbytes > 0``); the header
+is ``HEADER`` below, little endian, 56 bytes. ``decode`` checks, in order and
+before it reads a byte of the payload: the frame count, the header's length,
+magic, version, type, dtype and flags, the size cap, that the payload frame is
+exactly ``nbytes`` long and that offset and size are whole elements; only then
+the payload's CRC32. Over CURVE every frame already carries a Poly1305 MAC, so
+both sides send flag ``UNCHECKED`` and skip the CRC there (two passes over every
+byte: half the throughput, benchmarks/results/2026-12-03-node.md); a receiver
+accepts ``UNCHECKED`` only on an authenticated transport (``trusted``). Anything wrong raises ``ProtocolError`` carrying a short
+reason that the node counts (``NodeService.rejects``): a malformed message is
+dropped and counted, never answered with a traceback, never applied.
+
+Per message type (W: worker -> node, N: node -> worker):
+  HELLO      W  payload: the worker's manifest (JSON, [Note: the manifest] in
+                manifest.py); ``rank`` is the sender's rank.
+  INIT       W  worker 0 only, after its HELLO: initial state, ``chunk`` = index
+                of the state in ``INIT_STATES``, ``offset`` bytes into the unit's
+                fp32 buffer; flag ``LAST`` on the final one.
+  WELCOME    N  payload JSON ``{"step": s, "epoch": e}``: training resumes after
+                step s; every later message carries the node's ``epoch``.
+  PUSH_GRAD  W  fp32 gradient bytes of ``unit`` at ``offset``, for ``step``.
+  ACK        N  a push stored; flag ``DUPLICATE`` when it had been before (or was
+                stale): answered, not applied twice.
+  PULL_PARAM W  asks for ``unit``'s parameters after ``step``'s update.
+  PARAM      N  those parameter bytes at ``offset`` (one message per chunk).
+  HEARTBEAT  W/N  liveness; flag ``BYE`` when a worker is done.
+  ERROR      N  payload: a UTF-8 line naming the problem and the fix.
+  SNAPSHOT   reserved for node snapshots.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+__all__ = ["DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError", "T", "VERSION",
+           "F", "decode", "encode"]
+
+MAGIC = b"LUWU"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHIIIiIQQB3xII")
+"""magic, version, type, flags, job, rank, step, unit, chunk, offset, nbytes, dtype, epoch, checksum."""
+MAX_PAYLOAD_BYTES = 16 * 2**20
+"""Largest payload frame accepted: the largest message chunk (1-16 MiB)."""
+
+
+class T:
+    """Message types."""
+
+    HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT, SNAPSHOT, ERROR, ACK, INIT = range(1, 11)
+    NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT", 7: "SNAPSHOT",
+             8: "ERROR", 9: "ACK", 10: "INIT"}
+
+
+class F:
+    """Flag bits."""
+
+    DUPLICATE = 1
+    BYE = 2
+    LAST = 4
+    UNCHECKED = 8
+    """No payload CRC: the transport (CURVE) authenticates every frame."""
+    ALL = DUPLICATE | BYE | LAST | UNCHECKED
+
+
+DTYPES = {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 2), 4: ("json", 1), 5: ("utf8", 1)}
+"""dtype code -> (name, bytes per element)."""
+DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
+INIT_STATES = ("master", "exp_avg", "exp_avg_sq")
+"""States worker 0 sends in INIT messages, by index (the header's ``chunk``)."""
+_WITH_PAYLOAD = {T.HELLO, T.WELCOME, T.PUSH_GRAD, T.PARAM, T.ERROR, T.INIT}
+
+
+class ProtocolError(ValueError):
+    """A message the node or a worker must drop; ``reason`` is the counter it is filed under."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    type: int
+    flags: int = 0
+    job: int = 0
+    rank: int = 0
+    step: int = 0
+    unit: int = 0
+    chunk: int = 0
+    offset: int = 0
+    dtype: int = 0
+    epoch: int = 0
+    payload: memoryview | bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+    @property
+    def name(self) -> str:
+        return T.NAMES.get(self.type, str(self.type))
+
+
+def encode(msg: Message, *, checksum: bool = True) -> list:
+    """The frames of ``msg``: ``[header]`` or ``[header, payload]`` (the payload itself, not a copy).
+    ``checksum=False`` (CURVE transports only) sends flag ``UNCHECKED`` instead of the payload's CRC32."""
+    payload = msg.payload
+    n = memoryview(payload).nbytes
+    flags = msg.flags | (0 if checksum else F.UNCHECKED)
+    header = HEADER.pack(MAGIC, VERSION, msg.type, flags, msg.job, msg.rank, msg.step, msg.unit, msg.chunk,
+                         msg.offset, n, msg.dtype, msg.epoch, zlib.crc32(payload) if n and checksum else 0)
+    return [header, payload] if n else [header]
+
+
+def decode(frames: list, *, max_payload: int = MAX_PAYLOAD_BYTES, trusted: bool = False) -> Message:
+    """The message in ``frames`` (bytes, or zmq frames), validated ([Note: the node protocol]); raises
+    ``ProtocolError`` naming what is wrong. ``trusted``: the transport authenticates every frame (CURVE),
+    so a payload flagged ``UNCHECKED`` is accepted without a CRC."""
+    if not 1 <= len(frames) <= 2:
+        raise ProtocolError("frames", f"{len(frames)} frames, expected a header and at most one payload")
+    head = _buffer(frames[0])
+    if head.nbytes != HEADER.size:
+        raise ProtocolError("header", f"{head.nbytes} header bytes, expected {HEADER.size}")
+    (magic, version, kind, flags, job, rank, step, unit, chunk, offset, nbytes, dtype, epoch,
+     checksum) = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError("magic", f"{magic!r}")
+    if version != VERSION:
+        raise ProtocolError("version", f"protocol version {version}, this side speaks {VERSION}: run the same luwu_rt "
+                                       f"on the node and the workers")
+    if kind not in T.NAMES:
+        raise ProtocolError("type", f"unknown message type {kind}")
+    if flags & ~F.ALL:
+        raise ProtocolError("flags", f"unknown flag bits {flags:#x}")
+    if dtype not in DTYPES:
+        raise ProtocolError("dtype", f"unknown dtype code {dtype}")
+    if nbytes > max_payload:
+        raise ProtocolError("size", f"{nbytes} payload bytes over the cap of {max_payload}")
+    if nbytes and kind not in _WITH_PAYLOAD:
+        raise ProtocolError("payload", f"{T.NAMES[kind]} carries no payload, got {nbytes} bytes")
+    if (len(frames) == 2) != (nbytes > 0):
+        raise ProtocolError("frames", f"nbytes={nbytes} with {len(frames) - 1} payload frame(s)")
+    elem = DTYPES[dtype][1]
+    if offset % elem or nbytes % elem:
+        raise ProtocolError("alignment", f"offset {offset} / {nbytes} bytes are not whole {DTYPES[dtype][0]} elements")
+    payload = _buffer(frames[1]) if nbytes else memoryview(b"")
+    if payload.nbytes != nbytes:
+        raise ProtocolError("length", f"payload of {payload.nbytes} bytes, header says {nbytes}")
+    if flags & F.UNCHECKED:
+        if not trusted:
+            raise ProtocolError("checksum", "a payload without CRC32 on a transport without CURVE")
+    elif nbytes and zlib.crc32(payload) != checksum:
+        raise ProtocolError("checksum", "payload CRC32 does not match the header")
+    return Message(kind, flags & ~F.UNCHECKED, job, rank, step, unit, chunk, offset, dtype, epoch, payload)
+
+
+def _buffer(frame) -> memoryview:
+    """A read-only byte view of a frame (bytes, bytearray, memoryview or ``zmq.Frame``)."""
+    buf = getattr(frame, "buffer", frame)
+    view = memoryview(buf)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

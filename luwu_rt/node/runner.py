@@ -1,0 +1,274 @@
+"""The node's step: its own plan (``plan_node``) run by our executor over its own store, and the two
+hand-offs between that plan and the network: pushed gradients in, served parameters out.
+
+[Note: pushes and the node's Recv]
+``Pushes`` keeps, per unit, the last step whose gradients the plan received
+(``applied``) and the pushes of the next one: one fp32 buffer and a set of
+received chunks per rank, so a repeated chunk overwrites the same bytes with
+the same bytes (idempotent) and the sum is taken once, in rank order, when the
+plan's ``Recv`` waits for it. A push for a step already applied is stale and
+answered as a duplicate; one for a later step than the next is impossible
+(a worker pushes step s only after it pulled every unit of step s - 1) and
+rejected. Workers scale their loss by 1 / (N x micro-batches)
+([Note: data parallelism in the engine]), so the sum is the gradient of the
+global batch's mean loss, as a single-process run computes it.
+
+[Note: double-buffered parameters]
+``Served`` keeps two buffers per unit, tagged with the step whose update they
+hold. ``Serve(u)`` of step s copies the plan's updated ``param`` into the
+buffer holding the older step and only then tags it s, under the lock, so a
+pull never reads a half-written unit and a late pull of step s - 1 (a worker
+that reconnected) can still be answered from the other buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from luwu_rt.engine.schedule import lr_at
+from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers
+from luwu_rt.exec.chaos import Chaos
+from luwu_rt.plan import Budgets, Placement, plan_node_auto, validate
+from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
+from luwu_rt.store import TieredStore
+
+from .manifest import model_spec
+from .protocol import ProtocolError
+
+__all__ = ["NodeRunner", "Pushes", "Served"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NODE_CHAOS_RANK = 1 << 16
+"""The node draws chaos delays of its own, not those of any worker rank."""
+
+
+class _Later:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def wait(self) -> None:
+        self.fn()
+
+
+class Pushes:
+    """Gradients pushed by the workers, per unit ([Note: pushes and the node's Recv])."""
+
+    def __init__(self, numels: list[int], *, num_workers: int, chunk_bytes: int, applied: int = 0) -> None:
+        self.numels, self.num_workers, self.chunk_bytes = numels, num_workers, chunk_bytes
+        self.applied = [applied] * len(numels)
+        self.parts: list[dict[int, torch.Tensor]] = [{} for _ in numels]
+        self.got: list[dict[int, set[int]]] = [{} for _ in numels]
+        self.cond = threading.Condition()
+        self.heard: dict[int, float] = {}
+        """Rank -> when the node last heard from it (for timeout messages)."""
+
+    def _chunks(self, unit: int) -> int:
+        return -(-self.numels[unit] * 4 // self.chunk_bytes)
+
+    def offer(self, *, rank: int, step: int, unit: int, offset: int, payload: memoryview) -> bool:
+        """Stores one pushed chunk; True if new, False for a duplicate or a stale step (not applied).
+        Raises ``ProtocolError`` for a unit, rank, step or byte range the node does not expect."""
+        if not 0 <= unit < len(self.numels) or not 0 <= rank < self.num_workers:
+            raise ProtocolError("range", f"unit {unit} / rank {rank} out of range")
+        total = self.numels[unit] * 4
+        chunk, n = divmod(offset, self.chunk_bytes)
+        if n or offset >= total or len(payload) != min(self.chunk_bytes, total - offset):
+            raise ProtocolError("range", f"push of unit {unit} at byte {offset} with {len(payload)} bytes does not "
+                                         f"cover one whole chunk of its {total} bytes")
+        with self.cond:
+            if step <= self.applied[unit]:
+                return False
+            if step != self.applied[unit] + 1:
+                raise ProtocolError("future", f"push of unit {unit} for step {step}; the node waits for step "
+                                              f"{self.applied[unit] + 1}")
+            got = self.got[unit].setdefault(rank, set())
+            if chunk in got:
+                return False
+            buf = self.parts[unit].get(rank)
+            if buf is None:
+                buf = self.parts[unit][rank] = torch.empty(self.numels[unit], dtype=torch.float32)
+            buf.view(torch.uint8).numpy()[offset : offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            got.add(chunk)
+            self.cond.notify_all()
+            return True
+
+    def _complete(self, unit: int) -> bool:
+        want = self._chunks(unit)
+        got = self.got[unit]
+        return len(got) == self.num_workers and all(len(c) == want for c in got.values())
+
+    def take(self, *, step: int, unit: int, out: list[torch.Tensor], timeout_s: float) -> None:
+        """Waits until every worker pushed all of ``unit`` for ``step``, then writes their sum (in rank
+        order) into the pieces ``out`` (the plan's fp32 ``grad`` shards, in element order)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            assert self.applied[unit] == step - 1, (unit, step, self.applied[unit])
+            while not self._complete(unit):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(self._missing(step, unit, timeout_s))
+                self.cond.wait(min(left, 1.0))
+            parts, self.parts[unit], self.got[unit] = self.parts[unit], {}, {}
+            self.applied[unit] = step
+        total = parts[0]
+        for r in range(1, self.num_workers):
+            total += parts[r]
+        start = 0
+        for piece in out:
+            piece.copy_(total[start : start + piece.numel()])
+            start += piece.numel()
+
+    def _missing(self, step: int, unit: int, timeout_s: float) -> str:
+        want = self._chunks(unit)
+        missing = [r for r in range(self.num_workers) if len(self.got[unit].get(r, ())) != want]
+        now = time.monotonic()
+        ages = ", ".join(f"worker {r} last heard {now - self.heard[r]:.1f}s ago" if r in self.heard
+                         else f"worker {r} never heard" for r in missing)
+        return (f"optimizer node: step {step}: no gradients of unit {unit} from worker(s) {missing} within "
+                f"{timeout_s:g}s ({ages}); a worker died or hung - see its log, or raise --timeout")
+
+
+class Served:
+    """The parameters the node serves, double-buffered per unit ([Note: double-buffered parameters])."""
+
+    def __init__(self, nbytes: list[int]) -> None:
+        self.buffers = [(torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)) for n in nbytes]
+        self.versions = [[0, -1] for _ in nbytes]
+        self.lock = threading.Lock()
+
+    def publish(self, unit: int, step: int, pieces: list[torch.Tensor]) -> None:
+        with self.lock:
+            older = 0 if self.versions[unit][0] < self.versions[unit][1] else 1
+            self.versions[unit][older] = -1  # not readable while it is written
+        buf, start = self.buffers[unit][older], 0
+        for piece in pieces:
+            flat = piece.view(torch.uint8)
+            buf[start : start + flat.numel()].copy_(flat)
+            start += flat.numel()
+        with self.lock:
+            self.versions[unit][older] = step
+
+    def get(self, unit: int, step: int) -> torch.Tensor | None:
+        """The unit's parameters after ``step``'s update, or None while they are not served yet."""
+        with self.lock:
+            for i in (0, 1):
+                if self.versions[unit][i] == step:
+                    return self.buffers[unit][i]
+        return None
+
+    def newest(self, unit: int) -> int:
+        with self.lock:
+            return max(self.versions[unit])
+
+
+class NodeRunner:
+    """The node's plan, store, executor and handlers for the run a manifest describes."""
+
+    def __init__(self, manifest: dict[str, Any], *, num_workers: int, host_bytes: int, nvme_dir: str | None,
+                 timeout_s: float, on_served: Callable[[int, int], None], io_backend: str = "auto",
+                 chaos: Chaos | str | None = "env") -> None:
+        self.manifest = manifest
+        self.model = model_spec(manifest)
+        self.param_dtype = _DTYPES[manifest["dtype"]]
+        self.timeout_s = timeout_s
+        nvme_bytes = None
+        if nvme_dir:
+            Path(nvme_dir).mkdir(parents=True, exist_ok=True)
+        placement = Placement() if nvme_dir else Placement(params="host", optimizer="host", grads="host")
+        result = plan_node_auto(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
+                                                            nvme_bytes=nvme_bytes), num_workers=num_workers,
+                                placement=placement)
+        validate(result.plan)
+        self.plan, self.placement = result.plan, result.placement
+        self.store = TieredStore.create(self.plan, device=torch.device("cpu"),
+                                        nvme_root=Path(nvme_dir) / "luwu_node" if nvme_dir else None,
+                                        io_backend=io_backend)
+        self.numels = [u.num_params for u in self.model.units]
+        self.pushes = Pushes(self.numels, num_workers=num_workers, chunk_bytes=self.model.chunk_bytes,
+                             applied=int(manifest["start_step"]))
+        self.served = Served([n * self.param_dtype.itemsize for n in self.numels])
+        self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=torch.float32)
+        self.norms = NormHandlers(self.plan.shards, grad_dtype=torch.float32)
+        self.on_served = on_served
+        handlers = {"Recv": self._recv, "Serve": self._serve, "OptimStep": self._optim_step,
+                    "GradNorm": self.norms.grad_norm, "NormReduce": self.norms.norm_reduce}
+        self.executor = Executor(self.plan, store=self.store, handlers=handlers,
+                                 chaos=Chaos.from_env(rank=NODE_CHAOS_RANK) if chaos == "env" else chaos)
+        self.step = int(manifest["start_step"])
+        self.adam_step = int(manifest["adam_step"])
+        self._skip: bool | None = None
+        self.metrics: dict[str, float] = {}
+
+    def close(self) -> None:
+        self.executor.close()
+        self.store.close()
+
+    # -- initial state ([Note: the manifest]) ----------------------------------------------------
+
+    def write_initial(self, unit: int, state: str, values: torch.Tensor) -> None:
+        """Sets a unit's whole fp32 ``state``; the master also sets the served parameters of the start step."""
+        self.store.write_state(unit, state, values)
+        if state == "master":
+            param = values.to(self.param_dtype)
+            self.store.write_state(unit, "param", param)
+            self.served.publish(unit, self.step, [param])
+        self.store.flush()
+
+    # -- handlers ---------------------------------------------------------------------------------
+
+    def _pieces(self, views, state: str) -> list[torch.Tensor]:
+        dtype = self.param_dtype if state == "param" else torch.float32
+        ids = sorted((s for s in views if s.state == state), key=lambda s: s.chunk)
+        return [views[s].view(dtype)[: self.plan.shards[s].numel] for s in ids]
+
+    def _recv(self, op, views) -> _Later:
+        step, out = self.step, self._pieces(views, "grad")
+        return _Later(lambda: self.pushes.take(step=step, unit=op.unit, out=out, timeout_s=self.timeout_s))
+
+    def _serve(self, op, views) -> _Later:
+        self.served.publish(op.unit, self.step, self._pieces(views, "param"))
+        self.on_served(op.unit, self.step)
+        return _Later(lambda: None)
+
+    def _optim_step(self, op, views) -> None:
+        # As Engine._optim_step: the first update of a step sets the hyper-parameters; with exact
+        # clipping the plan made it wait for the step's norm ([Note: clipping] in engine.py).
+        if self._skip is None:
+            total = views.get(ShardId(GLOBAL_UNIT, "norm", 0))
+            scale = float(self.manifest["loss_scale"])
+            norm = math.sqrt(float(total.view(torch.float64)[0])) / scale if total is not None else None
+            self._skip = norm is not None and not math.isfinite(norm)
+            o = self.manifest["optim"]
+            clip = min(1.0, o["grad_clip"] / (norm + 1e-6)) if norm is not None and o["grad_clip"] > 0 \
+                and math.isfinite(norm) else 1.0
+            lr = lr_at(self.step, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"],
+                       total_steps=int(self.manifest["steps"]))
+            self.optimizer.hyper = AdamWHyper(lr=lr, beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
+                                              weight_decay=o["weight_decay"], grad_scale=clip / scale)
+        self.optimizer(op, views, update=not self._skip)
+
+    def run_step(self) -> dict[str, float]:
+        """Runs the node's plan for the next step; returns its metrics (seconds busy per queue)."""
+        self.step += 1
+        self._skip = None
+        self.optimizer.step = self.adam_step + 1
+        start = time.perf_counter()
+        spans = self.executor.run()
+        if not self._skip:
+            self.adam_step += 1
+        busy: dict[str, float] = {}
+        for s in spans:
+            busy[s.queue] = busy.get(s.queue, 0.0) + (s.end_s - s.start_s)
+        self.metrics = {"step": self.step, "step_s": time.perf_counter() - start, "recv_s": busy.get("push", 0.0),
+                        "optim_s": busy.get("optim", 0.0), "send_s": busy.get("pull", 0.0),
+                        "io_s": busy.get("nvme_read", 0.0) + busy.get("nvme_write", 0.0),
+                        "grad_norm": math.sqrt(self.norms.total_sq) / float(self.manifest["loss_scale"])}
+        return self.metrics

@@ -1,0 +1,29 @@
+"""What each worker process of the node tests runs (importable, so ``ranks.run_ranks`` can spawn it)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+STEPS = 10
+
+
+def config(**overrides: Any):
+    """gpt-tiny on short sequences, as the gloo tests run it (tests/dist/rank_jobs.py)."""
+    from rank_jobs import config as base
+
+    return base(**{"steps": STEPS, **overrides})
+
+
+def train(rank: int, runs: list[tuple[str, dict, str]]) -> dict[str, list[float]]:
+    """Each run ``(key, overrides, chaos seed or "")`` for ``STEPS`` steps, one after another: its losses."""
+    from luwu_rt.engine import Engine
+    from luwu_rt.exec.chaos import CHAOS_ENV
+
+    out = {}
+    for key, overrides, chaos in runs:
+        os.environ[CHAOS_ENV] = chaos  # read when the engine's executors are made
+        with Engine(None, config(**overrides)) as engine:
+            assert engine.strategy.name == "node"
+            out[key] = [engine.train_step()["loss"] for _ in range(STEPS)]
+    return out

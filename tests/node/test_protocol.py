@@ -1,0 +1,186 @@
+"""The node protocol's header checks, and the node's state machine driven directly (no sockets): a seeded
+fuzz of thousands of malformed, stale, duplicate and unexpected messages leaves it alive, its state
+unchanged and every reject counted; a refused HELLO names the difference; a missing worker is named."""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+
+import pytest
+import torch
+
+from luwu_rt.node.manifest import difference, job_id, manifest_bytes
+from luwu_rt.node.protocol import (DTYPE_CODES, HEADER, MAGIC, MAX_PAYLOAD_BYTES, VERSION, F, Message, ProtocolError,
+                                   T, decode, encode)
+from luwu_rt.node.service import NodeConfig, NodeService
+
+CHUNK = 4096
+SIZES = (3000, 5000)  # fp32 gradients of 3 and 5 chunks
+
+
+def manifest(**optim) -> dict:
+    return {"model": {"units": [{"name": f"u{i}", "num_params": n, "reads": []} for i, n in enumerate(SIZES)],
+                      "param_bytes": 4, "chunk_bytes": CHUNK, "max_shards_per_state": 2,
+                      "optimizer_waits_for_backward": False},
+            "optim": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+                      "weight_decay": 0.1, "grad_clip": 0.0, **optim},
+            "steps": 3, "dtype": "fp32", "loss_scale": 1.0, "num_workers": 2, "start_step": 0, "adam_step": 0}
+
+
+def test_encode_decode_round_trip() -> None:
+    msg = Message(T.PUSH_GRAD, flags=F.LAST, job=7, rank=1, step=9, unit=2, chunk=3, offset=4096 * 3,
+                  dtype=DTYPE_CODES["float32"], epoch=5, payload=bytes(range(256)) * 16)
+    got = decode(encode(msg))
+    assert (got.type, got.flags, got.job, got.rank, got.step, got.unit, got.chunk, got.offset, got.dtype, got.epoch) \
+        == (T.PUSH_GRAD, F.LAST, 7, 1, 9, 2, 3, 4096 * 3, DTYPE_CODES["float32"], 5)
+    assert bytes(got.payload) == bytes(msg.payload) and HEADER.size == 56
+    # Over CURVE (trusted) the CRC pass is skipped, the flag does not leak into the message.
+    unchecked = decode(encode(msg, checksum=False), trusted=True)
+    assert unchecked.flags == F.LAST and bytes(unchecked.payload) == bytes(msg.payload)
+
+
+def _header(**f) -> bytes:
+    v = dict(magic=MAGIC, version=VERSION, type=T.PUSH_GRAD, flags=0, job=0, rank=0, step=1, unit=0, chunk=0,
+             offset=0, nbytes=8, dtype=1, epoch=0, checksum=zlib.crc32(b"\0" * 8))
+    v.update(f)
+    return HEADER.pack(*v.values())
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b"x" * 10], "header"), ([_header(magic=b"NOPE"), b"\0" * 8], "magic"),
+    ([_header(version=VERSION + 1), b"\0" * 8], "version"), ([_header(type=99), b"\0" * 8], "type"),
+    ([_header(flags=0x80), b"\0" * 8], "flags"), ([_header(dtype=77), b"\0" * 8], "dtype"),
+    ([_header(nbytes=MAX_PAYLOAD_BYTES + 4)], "size"), ([_header(type=T.PULL_PARAM), b"\0" * 8], "payload"),
+    ([_header()], "frames"), ([_header(), b"\0" * 4], "length"), ([_header(offset=2), b"\0" * 8], "alignment"),
+    ([_header(checksum=1), b"\0" * 8], "checksum"), ([_header(), b"\0" * 8, b""], "frames"),
+    ([_header(flags=F.UNCHECKED, checksum=0), b"\0" * 8], "checksum"),  # no CRC is for CURVE transports only
+])
+def test_decode_rejects_before_reading_the_payload(frames, reason) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.reason == reason
+
+
+def _joined(service: NodeService) -> dict:
+    """Two workers said HELLO, worker 0 sent initial masters: the node welcomed them (step 0)."""
+    m = manifest()
+    for rank in (0, 1):
+        service.handle(b"w%d" % rank, encode(Message(T.HELLO, rank=rank, dtype=DTYPE_CODES["json"],
+                                                     payload=manifest_bytes(m))))
+    job = job_id(m)
+    for u, n in enumerate(SIZES):
+        data = torch.arange(n, dtype=torch.float32).numpy().tobytes()
+        for off in range(0, len(data), CHUNK):
+            service.handle(b"w0", encode(Message(T.INIT, job=job, rank=0, unit=u, chunk=0, offset=off,
+                                                 dtype=DTYPE_CODES["float32"], payload=data[off : off + CHUNK])))
+    service.handle(b"w0", encode(Message(T.INIT, flags=F.LAST, job=job, rank=0)))
+    assert service.welcomed
+    return m
+
+
+def _state(service: NodeService):
+    r = service.runner
+    pushes = (tuple(r.pushes.applied), [{k: sorted(v) for k, v in g.items()} for g in r.pushes.got],
+              [{k: v.clone() for k, v in p.items()} for p in r.pushes.parts])
+    arenas = {t: a.buffer.clone() for t, a in r.store.arenas.items()}
+    served = ([list(v) for v in r.served.versions], [tuple(b.clone() for b in pair) for pair in r.served.buffers])
+    return pushes, arenas, served, dict(service._waiting)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_seeded_fuzz_leaves_the_node_alive_and_unchanged() -> None:
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lambda line: None)
+    m = _joined(service)
+    job, epoch = job_id(m), service.epoch
+    good = Message(T.PUSH_GRAD, job=job, rank=0, step=1, unit=1, chunk=0, offset=0, dtype=1, epoch=epoch,
+                   payload=torch.ones(CHUNK // 4).numpy().tobytes())
+    service.handle(b"w0", encode(good))  # one real push: the node has pending state to keep intact
+    service._outbox.clear()
+    before, rejects0, dups0 = _state(service), sum(service.rejects.values()), service.duplicates
+    rng = random.Random(1234)
+    other = manifest(lr=2e-2)
+
+    def push(**f) -> list:
+        v = dict(type=T.PUSH_GRAD, job=job, rank=0, step=1, unit=0, chunk=0, offset=0, dtype=1, epoch=epoch,
+                 payload=rng.randbytes(CHUNK))
+        v.update(f)
+        return encode(Message(**v))
+
+    cases = [
+        lambda: (rng.randbytes(4), [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(0, 4))]),
+        lambda: (b"w0", [f[: rng.randrange(len(f))] if i == 0 else f for i, f in enumerate(push())]),  # truncated
+        lambda: (b"w0", [_header(nbytes=MAX_PAYLOAD_BYTES + 8 * rng.randrange(1, 100))]),  # oversized
+        lambda: (b"w0", [HEADER.pack(MAGIC, VERSION + rng.randrange(1, 9), *HEADER.unpack(push()[0])[2:]),
+                         rng.randbytes(CHUNK)]),  # wrong version
+        lambda: (b"w0", push(step=0)),  # stale: answered as a duplicate
+        lambda: (b"w0", encode(good)),  # the same push again: a duplicate
+        lambda: (b"w0", push(unit=1, payload=rng.randbytes(CHUNK))),  # a duplicate chunk with other bytes
+        lambda: (b"w1", push(rank=1, step=rng.randrange(2, 1000))),  # a future step
+        lambda: (b"w1", push(rank=1, unit=rng.choice([2, 99, -1]))),  # no such unit
+        lambda: (b"w1", push(rank=1, offset=CHUNK * rng.randrange(3, 50))),  # past the unit's bytes
+        lambda: (b"w1", push(rank=1, payload=rng.randbytes(8))),  # not a whole chunk
+        lambda: (b"w1", push(rank=0)),  # another worker's rank
+        lambda: (b"w1", push(rank=1, job=job ^ 1)),  # another run
+        lambda: (b"w1", push(rank=1, epoch=epoch + 1)),  # an earlier node
+        lambda: (b"intruder", push(rank=1)),  # never said HELLO
+        lambda: (b"w1", encode(Message(T.PULL_PARAM, job=job, rank=1, step=rng.randrange(3, 100), unit=0,
+                                       epoch=epoch))),  # a pull far ahead
+        lambda: (b"w1", encode(Message(T.INIT, job=job, rank=1, unit=0, dtype=1, payload=b"\0" * 16))),
+        lambda: (b"w1", encode(Message(T.WELCOME, job=job, rank=1, epoch=epoch))),  # a node's message
+        lambda: (b"w1", encode(Message(T.HELLO, rank=1, dtype=4, payload=manifest_bytes(other)))),  # disagrees
+        lambda: (b"w1", encode(Message(T.HELLO, rank=1, dtype=4, payload=b"{not json"))),
+    ]
+    duplicates = 0
+    for i in range(4000):
+        pick = rng.randrange(len(cases))
+        duplicates += pick in (4, 5, 6)
+        identity, frames = cases[pick]()
+        service.handle(identity, frames)
+    assert service.duplicates - dups0 == duplicates
+    assert sum(service.rejects.values()) - rejects0 == 4000 - duplicates, dict(service.rejects)
+    assert service.rejects["internal"] == 0
+    assert _equal(_state(service), before), "a rejected or duplicate message changed the node's state"
+    # The workers of the run are still served: worker 1 completes unit 1's push of step 1.
+    for off in range(0, SIZES[1] * 4, CHUNK):
+        n = min(CHUNK, SIZES[1] * 4 - off)
+        service.handle(b"w1", push(rank=1, unit=1, chunk=off // CHUNK, offset=off, payload=b"\0" * n))
+    assert service.runner.pushes.got[1][1] == {0, 1, 2, 3, 4}
+
+
+def test_a_hello_that_disagrees_is_refused_naming_the_difference() -> None:
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lambda line: None)
+    service.handle(b"w0", encode(Message(T.HELLO, rank=0, dtype=4, payload=manifest_bytes(manifest()))))
+    service.handle(b"w1", encode(Message(T.HELLO, rank=1, dtype=4, payload=manifest_bytes(manifest(lr=0.5)))))
+    identity, frames = service._outbox[-1]
+    reply = decode(frames)
+    assert identity == b"w1" and reply.type == T.ERROR
+    assert "optim.lr: 0.01 != 0.5" in bytes(reply.payload).decode()
+    assert difference({"a": [1, {"b": 2}]}, {"a": [1, {"b": 3}]}) == "a[1].b: 2 != 3"
+    assert json.loads(manifest_bytes(manifest()))["manifest_version"] == 1
+
+
+def test_a_worker_that_never_pushes_is_named_after_the_timeout() -> None:
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB", timeout=1.0), log=lambda line: None,
+                          chaos=None)
+    m = _joined(service)
+    job = job_id(m)
+    for u, n in enumerate(SIZES):  # worker 0 pushes everything of step 1; worker 1 nothing
+        data = torch.zeros(n).numpy().tobytes()
+        for off in range(0, len(data), CHUNK):
+            service.handle(b"w0", encode(Message(T.PUSH_GRAD, job=job, rank=0, step=1, unit=u, chunk=off // CHUNK,
+                                                 offset=off, dtype=1, epoch=service.epoch,
+                                                 payload=data[off : off + CHUNK])))
+    assert service.done_steps.wait(30)
+    assert isinstance(service.error, TimeoutError)
+    assert "from worker(s) [1] within 1s" in str(service.error) and "worker 1 never heard" in str(service.error)
