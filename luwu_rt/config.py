@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,38 @@ def _nested_type(cls: type, name: str) -> type | None:
     return hint if dataclasses.is_dataclass(hint) else None
 
 
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "nothing"}
+
+
+def _matches(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` has type ``hint``; ``None`` when the hint is not one of the simple kinds checked here.
+    A bool is not an integer or a number (``steps = true`` is a mistake, not one step)."""
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint in (str, bool, type(None)):
+        return isinstance(value, hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        found = [_matches(value, h) for h in typing.get_args(hint)]
+        return None if None in found else any(found)
+    return None
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    return _NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _checked(cls: type, key: str, value: Any, where: str) -> None:
+    """Raises ``ValueError`` naming ``where.key`` when ``value`` is not of the field's declared type."""
+    hint = typing.get_type_hints(cls).get(key)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}.{key}: expected a table of keys ([{key}] in TOML), got {value!r}")
+    elif _matches(value, hint) is False:
+        raise ValueError(f"{where}.{key}: expected {_describe(hint)}, got {type(value).__name__} {value!r}")
+
+
 def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "config") -> T:
     """Builds ``cls`` from ``data``; nested dataclass fields take nested mappings.
 
@@ -40,6 +73,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "config"
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys are: {', '.join(valid)}")
     values = {}
     for key, value in data.items():
+        _checked(cls, key, value, where)
         nested = _nested_type(cls, key)
         values[key] = from_mapping(nested, value, where=f"{where}.{key}") if nested and isinstance(value, Mapping) else value
     try:

@@ -14,6 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "a root means its latest checkpoint")
     parser.add_argument("--out", default=None, help="export: output file (.safetensors, or anything else for torch.save)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="export: dtype (default fp32)")
+    parser.add_argument("--format", default="file", choices=("file", "hf"),
+                        help="export: file (a state dict in --out FILE) or hf (a Hugging Face model folder --out DIR "
+                             "that from_pretrained loads; hf:PATH runs and GPT presets)")
+    parser.add_argument("--max-shard-size", default="2GiB", help="export --format hf: largest shard (default 2GiB)")
 
 
 def _resolve(path: str):
@@ -31,25 +35,44 @@ def _resolve(path: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from luwu_rt.engine.checkpoint import CheckpointReader, list_checkpoints
 
     if args.action == "list":
+        if not Path(args.path).is_dir():
+            raise ValueError(f"{args.path} is not a directory; give a checkpoint root (--ckpt-dir of a run)")
         for path in list_checkpoints(args.path):
-            print(f"{path}  step {CheckpointReader(path).step}")
+            try:
+                reader = CheckpointReader(path)
+                print(f"{path}  step {reader.step}  run {reader.run_id or '-'}")
+            except (ValueError, OSError) as exc:  # list the others; say which one is broken
+                print(f"{path}  unreadable: {exc}")
         return 0
     path = _resolve(args.path)
     if args.action == "verify":
-        reader = CheckpointReader(path)
-        for name in reader.tensors:
-            reader.read(name)  # raises OSError naming the file on a mismatch
-        print(f"{path}: {len(reader.tensors)} files, all checksums match")
+        from luwu_rt.engine.save import verify_checkpoint
+
+        # Complete, consistent with its model, and every checksum (raises naming the path on a mismatch).
+        count = verify_checkpoint(CheckpointReader(path), read_data=True)
+        print(f"{path}: {count} files, complete, all checksums match")
         return 0
     if not args.out:
-        raise ValueError("export needs --out FILE (e.g. model.safetensors)")
+        raise ValueError("export needs --out FILE (e.g. model.safetensors), or --format hf --out DIR")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.format == "hf":
+        from luwu_rt.engine.export_hf import export_hf
+        from luwu_rt.plan import parse_size
+
+        try:
+            shard = parse_size(args.max_shard_size)
+        except ValueError as exc:
+            raise ValueError(f"--max-shard-size {args.max_shard_size}: {exc}") from None
+        print(export_hf(path, args.out, dtype=dtype, max_shard_bytes=shard))
+        return 0
     from luwu_rt.engine.export import export
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     print(export(path, args.out, dtype=dtype))
     return 0

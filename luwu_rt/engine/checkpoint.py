@@ -21,6 +21,17 @@ only then do the ranks go on (a barrier). ``read_joined`` puts a unit's slices
 back together, so a checkpoint carries no trace of the strategy or the number
 of ranks that wrote it: any strategy on any number of ranks loads it, and
 export reads it as one state dict.
+
+[Note: the manifest protects itself]
+Checksums of the data files protect the data, but the manifest decides how the
+data is read (dtype, shape, which file) and where training continues (step,
+Adam's t, the learning rate in the config). So the manifest carries a CRC-32C
+of its own canonical JSON (sorted keys, without the checksum field), and every
+entry the size of its file: an edited, truncated or hand-merged manifest is
+refused with its path before anything is read. ``meta.run_id`` names the run
+that wrote a checkpoint, so retention deletes only that run's checkpoints and a
+new run does not mistake a directory of another run's checkpoints for its own.
+Format 1 manifests (no checksum, no run id) are still read.
 """
 
 from __future__ import annotations
@@ -36,10 +47,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints", "slice_name"]
+__all__ = ["CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints", "new_run_id", "run_checkpoints",
+           "slice_name"]
 
 MANIFEST = "manifest.json"
-FORMAT = "luwu_rt.checkpoint/1"
+FORMAT = "luwu_rt.checkpoint/2"
+_FORMATS = ("luwu_rt.checkpoint/1", FORMAT)
+_ENTRY_KEYS = {"file": str, "dtype": str, "shape": list, "crc32c": int}
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -48,6 +62,25 @@ def _crc(tensor: torch.Tensor) -> int:
     from luwu_rt import _C
 
     return _C.crc32c(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else 0
+
+
+def new_run_id() -> str:
+    """A fresh run id ([Note: the manifest protects itself])."""
+    return uuid.uuid4().hex[:12]
+
+
+def _manifest_crc(manifest: dict[str, Any]) -> int:
+    from luwu_rt import _C
+    import numpy as np
+
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return _C.crc32c(np.frombuffer(raw, dtype=np.uint8)) if raw else 0
+
+
+def _io_error(exc: OSError, doing: str, path: Path) -> OSError:
+    """``exc`` as one line naming the operation and the path (a full disk says which one)."""
+    return OSError(exc.errno, f"{doing} failed: {exc.strerror}", str(path))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -110,13 +143,16 @@ class CheckpointWriter:
         if data.device.type != "cpu":
             data = data.cpu()
         path = self.partial / f"{name}.bin"
-        with open(path, "wb") as f:
-            if data.numel():
-                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(path, "wb") as f:
+                if data.numel():
+                    f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise _io_error(exc, "writing a checkpoint file", path) from None
         self._tensors[name] = {"file": path.name, "dtype": _dtype_name(data.dtype), "shape": list(data.shape),
-                               "crc32c": _crc(data)}
+                               "bytes": data.numel() * data.element_size(), "crc32c": _crc(data)}
 
     @property
     def entries(self) -> dict[str, dict[str, Any]]:
@@ -133,11 +169,15 @@ class CheckpointWriter:
     def commit(self, meta: dict[str, Any]) -> Path:
         """Writes the manifest and makes the checkpoint visible; returns its directory."""
         manifest = {"format": FORMAT, "step": self.step, "meta": meta, "tensors": self._tensors}
-        with open(self.partial / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(self.partial)
+        manifest["checksum"] = _manifest_crc(manifest)  # [Note: the manifest protects itself]
+        try:
+            with open(self.partial / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(self.partial)
+        except OSError as exc:
+            raise _io_error(exc, "writing the checkpoint manifest", self.partial / MANIFEST) from None
         if self.final.exists():
             # Re-saving a step (after a resume replayed it): the old copy is
             # complete and equivalent; replace it in two renames, never in place.
@@ -171,13 +211,22 @@ class CheckpointReader:
             manifest = json.loads(path.read_text())
         except FileNotFoundError:
             raise ValueError(f"{self.directory} is not a complete checkpoint (no {MANIFEST})") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: corrupt checkpoint manifest ({exc})") from None
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a luwu_rt checkpoint (format {manifest.get('format')!r})")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: corrupt checkpoint manifest ({exc}); resume from an older checkpoint") from None
+        except OSError as exc:
+            raise _io_error(exc, "reading the checkpoint manifest", path) from None
+        if not isinstance(manifest, dict) or manifest.get("format") not in _FORMATS:
+            fmt = manifest.get("format") if isinstance(manifest, dict) else None
+            raise ValueError(f"{path}: not a luwu_rt checkpoint (format {fmt!r})")
+        if manifest["format"] == FORMAT and manifest.get("checksum") != _manifest_crc(manifest):
+            raise ValueError(f"{path}: the manifest does not match its checksum (edited or corrupt); "
+                             f"resume from an older checkpoint")
+        _check_manifest(manifest, path)
+        self.format: str = manifest["format"]
         self.step: int = manifest["step"]
         self.meta: dict[str, Any] = manifest["meta"]
         self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
+        self.run_id: str | None = self.meta.get("run_id")
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name``; ``OSError(EIO)`` naming the file if its bytes do not match the checksum."""
@@ -186,34 +235,80 @@ class CheckpointReader:
             raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
         path = self.directory / entry["file"]
         dtype, shape = _dtype_of(entry["dtype"]), entry["shape"]
-        raw = path.read_bytes()
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise _io_error(exc, "reading a checkpoint file", path) from None
         out = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         numel = 1
         for d in shape:
             numel *= d
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if out.numel() != numel * itemsize:
+        if out.numel() != numel * itemsize or out.numel() != entry.get("bytes", out.numel()):
             raise OSError(errno.EIO, f"checkpoint file has {out.numel()} bytes, expected {numel * itemsize}", str(path))
         tensor = out.view(dtype).reshape(shape)
         if _crc(tensor) != entry["crc32c"]:
-            raise OSError(errno.EIO, "checkpoint file does not match its checksum; the checkpoint is corrupt", str(path))
+            raise OSError(errno.EIO, f"checkpoint file does not match its checksum; the checkpoint is corrupt (move "
+                                     f"{self.directory.name} aside to resume from the one before)", str(path))
         return tensor
+
+    def parts(self, name: str) -> list[str]:
+        """The entries holding tensor ``name``: itself, or its full set of slices in order; ``ValueError``
+        naming the checkpoint when neither is there."""
+        if name in self.tensors:
+            return [name]
+        slices = sorted((int(m.group(1)), int(m.group(2)), key) for key in self.tensors
+                        if (m := re.fullmatch(re.escape(name) + r"\.slice(\d+)of(\d+)", key)))
+        counts = {count for _, count, _ in slices}
+        if not slices or len(counts) != 1 or [i for i, _, _ in slices] != list(range(counts.pop())):
+            raise ValueError(f"checkpoint {self.directory} has no tensor {name!r} (whole or a full set of slices); "
+                             f"it is incomplete, resume from an older checkpoint")
+        return [key for _, _, key in slices]
 
     def read_joined(self, name: str, numel: int) -> torch.Tensor:
         """The flat tensor ``name`` of ``numel`` elements, saved whole or as slices by several ranks
         ([Note: checkpoints of several ranks])."""
-        if name in self.tensors:
-            flat = self.read(name).reshape(-1)
-        else:
-            slices = sorted((int(m.group(1)), int(m.group(2)), key) for key in self.tensors
-                            if (m := re.fullmatch(re.escape(name) + r"\.slice(\d+)of(\d+)", key)))
-            counts = {count for _, count, _ in slices}
-            if not slices or len(counts) != 1 or [i for i, _, _ in slices] != list(range(counts.pop())):
-                raise KeyError(f"checkpoint {self.directory} has no tensor {name!r} (whole or a full set of slices)")
-            flat = torch.cat([self.read(key).reshape(-1) for _, _, key in slices])
+        parts = self.parts(name)
+        flat = torch.cat([self.read(key).reshape(-1) for key in parts]) if len(parts) > 1 else self.read(parts[0]).reshape(-1)
         if flat.numel() < numel:
             raise ValueError(f"checkpoint {self.directory}: {name} holds {flat.numel()} values, the model needs {numel}")
         return flat[:numel]
+
+
+def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Raises ``ValueError`` naming ``path`` unless the manifest has the fields readers rely on, with
+    their types: a malformed manifest is refused here, never a ``KeyError`` deep inside a load."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: malformed checkpoint manifest ({what}); resume from an older checkpoint")
+
+    step, meta, tensors = manifest.get("step"), manifest.get("meta"), manifest.get("tensors")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise bad(f"step {step!r}")
+    if not isinstance(meta, dict) or not isinstance(tensors, dict):
+        raise bad("no meta or tensors table")
+    for name, entry in tensors.items():
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(k), t) for k, t in _ENTRY_KEYS.items()):
+            raise bad(f"entry {name!r}")
+        if "/" in entry["file"] or entry["file"].startswith(".") or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"]):
+            raise bad(f"entry {name!r}")
+        try:
+            _dtype_of(entry["dtype"])
+        except ValueError:
+            raise bad(f"entry {name!r} has dtype {entry['dtype']!r}") from None
+
+
+def run_checkpoints(root: str | os.PathLike, run_id: str) -> list[Path]:
+    """The committed checkpoints under ``root`` that run ``run_id`` wrote, oldest first; unreadable ones
+    are nobody's ([Note: the manifest protects itself])."""
+    out = []
+    for path in list_checkpoints(root):
+        try:
+            if CheckpointReader(path).run_id == run_id:
+                out.append(path)
+        except (ValueError, OSError):
+            continue
+    return out
 
 
 def slice_name(name: str, index: int, count: int) -> str:

@@ -17,15 +17,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from luwu_rt.engine.checkpoint import CheckpointWriter, slice_name
+from luwu_rt.engine import interrupt
+from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, new_run_id, slice_name
 from luwu_rt.plan.spec import ceil_div
 
 if TYPE_CHECKING:
     from luwu_rt.engine.engine import Engine
 
-__all__ = ["PERSISTENT", "save_checkpoint"]
+__all__ = ["PERSISTENT", "save_checkpoint", "verify_checkpoint"]
 
 PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
+_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _my_tensors(engine: "Engine") -> list[tuple[str, int, str, int]]:
@@ -44,13 +46,27 @@ def _my_tensors(engine: "Engine") -> list[tuple[str, int, str, int]]:
     return out
 
 
+def _lock(engine: "Engine", directory: str | os.PathLike) -> None:
+    """Rank 0 holds the checkpoint directory's lock from its first save until ``Engine.close``
+    ([Note: directory locks] in locks.py): the writer removes leftover partial directories."""
+    from luwu_rt.engine.locks import lock_dir
+
+    locks = engine.__dict__.setdefault("_dir_locks", {})
+    key = str(Path(directory).resolve())
+    if key not in locks:
+        locks[key] = lock_dir(directory, flag="--ckpt-dir")
+
+
 def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> Path:
     """Writes ``<directory>/step_<N>`` of ``engine``'s current step; every rank calls it."""
     world = engine.world
     writers: list[CheckpointWriter] = []
+    if getattr(engine, "run_id", None) is None:  # a fresh run: its checkpoints are its own from now on
+        engine.run_id = new_run_id()
 
     def create() -> str | None:
         if world.rank == 0:
+            _lock(engine, directory)
             writers.append(CheckpointWriter(directory, step=engine.step))
             return str(writers[0].partial)
         return None
@@ -62,6 +78,7 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> Path:
                 writers.append(CheckpointWriter(directory, step=engine.step, partial=partial))
             for name, unit, state, numel in _my_tensors(engine):
                 writers[0].add(name, engine.store.read_state(unit, state, torch.empty(numel, dtype=engine._dtype_of(state))))
+            interrupt.test_hook("checkpoint", engine.step)
             return writers[0].entries
 
         entries = world.together(write)
@@ -71,7 +88,8 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> Path:
             if world.rank == 0:
                 for other in entries[1:]:
                     writer.merge(other)
-                writer.commit({"config": asdict(engine.config), "step": engine.step, "adam_step": engine.adam_step,
+                writer.commit({"run_id": engine.run_id, "config": asdict(engine.config), "step": engine.step,
+                               "adam_step": engine.adam_step,
                                "model": engine._signature(), "world_size": world.size,
                                "strategy": engine.strategy.name})
             return writer.final
@@ -81,3 +99,48 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> Path:
         if world.rank == 0 and writers:
             writers[0].abort()
         raise
+
+
+def verify_checkpoint(reader: CheckpointReader, *, read_data: bool) -> int:
+    """Checks that ``reader``'s checkpoint is complete and consistent with the model it names: every
+    unit's persistent states present (whole or a full set of slices), in their dtypes, holding the
+    unit's number of values, and no stray entries; with ``read_data`` every file's checksum too.
+    Returns the number of files; raises ``ValueError`` (``OSError`` for data) naming the checkpoint."""
+    where = reader.directory
+    try:
+        units = reader.meta["model"]["units"]
+        sizes = [sum(_numel(shape) for _name, shape in unit["params"]) for unit in units]
+        param_dtype = _PARAM_DTYPES[reader.meta["config"]["dtype"]]
+        steps = (reader.meta["step"], reader.meta["adam_step"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: checkpoint metadata lacks or garbles {exc}; resume from an older checkpoint") from None
+    if steps[0] != reader.step or not (isinstance(steps[1], int) and 0 <= steps[1] <= steps[0]):
+        raise ValueError(f"{where}: checkpoint steps disagree (step {reader.step}, meta {steps}); it is corrupt")
+    seen: set[str] = set()
+    for u, n in enumerate(sizes):
+        for state in PERSISTENT:
+            parts = reader.parts(f"u{u}.{state}")
+            want = param_dtype if state == "param" else torch.float32
+            held = 0
+            for key in parts:
+                entry = reader.tensors[key]
+                if entry["dtype"] != str(want).removeprefix("torch."):
+                    raise ValueError(f"{where}: tensor {key} is {entry['dtype']}, the model's {state} is "
+                                     f"{str(want).removeprefix('torch.')}; the checkpoint is corrupt")
+                held += _numel(entry["shape"])
+            if held < n:
+                raise ValueError(f"{where}: u{u}.{state} holds {held} values, the model needs {n}; the checkpoint is corrupt")
+            if read_data:
+                reader.read_joined(f"u{u}.{state}", n)
+            seen.update(parts)
+    stray = sorted(set(reader.tensors) - seen)
+    if stray:
+        raise ValueError(f"{where}: checkpoint has entries no unit of its model owns ({', '.join(stray[:3])})")
+    return len(seen)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out

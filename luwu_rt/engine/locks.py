@@ -1,0 +1,102 @@
+"""Advisory directory locks: one run at a time in an NVMe tier or checkpoint directory.
+
+[Note: directory locks]
+A run that shares a directory with another one destroys it: the NVMe tier is
+rebuilt from scratch at start-up (the other run's live state goes), and a
+checkpoint writer removes leftover partial directories (the other run's
+checkpoint in progress). So a run holds ``fcntl.flock`` on ``<dir>/.luwu.lock``
+for as long as it uses the directory, and a second run is refused with one line
+naming the holder's pid. ``flock`` is released by the kernel when the holder
+dies, however it dies, so a crashed run never leaves a stale lock behind; the
+file itself stays and is harmless.
+
+flock conflicts between two open files of one process too, so this process
+keeps one ``DirLock`` per directory and hands it out again (counted): the CLI
+takes the checkpoint directory's lock before training, and ``Engine.save``
+takes it again without deadlocking on itself. With several ranks only rank 0
+locks the checkpoint directory (it alone commits and deletes), and every rank
+locks its own NVMe directory (``D/rank-<r>``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["LOCK_FILE", "DirLock", "lock_dir", "writable_dir"]
+
+LOCK_FILE = ".luwu.lock"
+
+_held: dict[Path, "DirLock"] = {}
+_mutex = threading.Lock()
+
+
+class DirLock:
+    """An exclusive flock on ``<directory>/.luwu.lock``; ``release`` once per ``lock_dir`` call."""
+
+    def __init__(self, directory: Path, fd: int) -> None:
+        self.directory = directory
+        self._fd = fd
+        self._count = 1
+
+    def release(self) -> None:
+        with _mutex:
+            self._count -= 1
+            if self._count > 0 or self._fd < 0:
+                return
+            _held.pop(self.directory, None)
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = -1
+
+    def __enter__(self) -> "DirLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def writable_dir(path: str | os.PathLike, *, flag: str) -> Path:
+    """Creates ``path`` if needed and checks that files can be created in it; raises ``OSError`` naming
+    the path and ``flag`` (e.g. ``--ckpt-dir``) before any work is done rather than at the first write."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise OSError(errno.ENOTDIR, f"{flag} names a file, not a directory; give a directory", str(p))
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create {flag} ({exc.strerror}); give a writable directory", str(p)) from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, f"{flag} is not writable; give a writable directory", str(p))
+    return p
+
+
+def lock_dir(path: str | os.PathLike, *, flag: str) -> DirLock:
+    """Takes the lock of directory ``path`` (created if needed) for this process, or raises ``OSError``
+    naming the pid that holds it ([Note: directory locks])."""
+    directory = writable_dir(path, flag=flag).resolve()
+    with _mutex:
+        held = _held.get(directory)
+        if held is not None:
+            held._count += 1
+            return held
+        lock_path = directory / LOCK_FILE
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create the lock file of {flag} ({exc.strerror})", str(lock_path)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise OSError(errno.EBUSY, f"{flag} is in use by another run (pid {holder}); wait for it to end "
+                                           f"or give this run another directory", str(directory)) from None
+            raise OSError(exc.errno, f"cannot lock {flag} ({exc.strerror})", str(lock_path)) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        lock = _held[directory] = DirLock(directory, fd)
+        return lock
