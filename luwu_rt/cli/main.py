@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # (command path, module, one-line help). A path of two words is a nested
@@ -18,12 +19,15 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("ckpt",), "luwu_rt.cli.ckpt", "list, verify and export checkpoints (safetensors or torch.save)"),
     (("plan",), "luwu_rt.cli.plan", "plan a training step: where each state lives, peak memory, IO and step time"),
     (("plot",), "luwu_rt.cli.plot", "plot a run's --json-log: loss, tokens/s and where the step time went"),
+    (("node", "serve"), "luwu_rt.cli.node", "run an optimizer node for luwu train --strategy node (over ZeroMQ)"),
+    (("node", "keygen"), "luwu_rt.cli.node_keygen", "make CURVE keys for an optimizer node and its workers"),
     (("bench", "io"), "luwu_rt.cli.bench_io", "O_DIRECT write/read throughput of the IO engine on a directory"),
     (("bench", "offload-step"), "luwu_rt.cli.bench_offload", "one AdamW step with optimizer state on NVMe vs the IO bound"),
     (("bench", "optim"), "luwu_rt.cli.bench_optim", "optimizer step throughput: our backends vs peers vs memory"),
 )
 
-_GROUP_HELP = {"bench": "measure throughput of the runtime's parts against their peers"}
+_GROUP_HELP = {"bench": "measure throughput of the runtime's parts against their peers",
+               "node": "the optimizer node of strategy node: holds the optimizer, aggregates gradients"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`luwu plan | head`): not an error of ours; say nothing more to the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as exc:
         # User-caused problems (bad sizes, missing directories, full disks) get
         # one clear line and a non-zero exit, not a traceback.

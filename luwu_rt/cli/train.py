@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -32,10 +33,15 @@ _FLAGS: dict[str, tuple[tuple[str, ...], Any]] = {
     "ckpt_every": (("checkpoint", "every"), int), "data": (("data", "path"), str),
     "data_dtype": (("data", "token_dtype"), str), "keep_graphs": (("keep_graphs",), _count_or_word),
     "strategy": (("strategy",), str), "shard_group_size": (("shard_group_size",), int),
-    "timeout": (("timeout",), float),
+    "timeout": (("timeout",), float), "init_from": (("init_from",), str),
+    "tokenizer": (("data", "tokenizer"), str), "text_field": (("data", "text_field"), str),
+    "node": (("node",), str), "node_key": (("node_key",), str),
 }
 _HELP = {
-    "model": "built-in preset (gpt-tiny ... gpt-175b; default gpt-tiny)", "steps": "optimizer steps (default 300)",
+    "node": "strategy node: the optimizer node's address, tcp://HOST:PORT of a luwu node serve",
+    "node_key": "strategy node: this worker's .key_secret from luwu node keygen, for a node run with --auth-keys",
+    "model": "built-in preset (gpt-tiny ... gpt-175b; default gpt-tiny) or hf:PATH, a local Hugging Face model "
+             "folder (config.json + safetensors) to fine-tune", "steps": "optimizer steps (default 300)",
     "batch_size": "sequences per micro-batch (default 16)", "seq_len": "tokens per sequence (default 128)",
     "grad_accum": "micro-batches per step (default 1)", "dtype": "compute dtype: fp32, bf16 or fp16 (default fp32)",
     "seed": "seed of the initial weights and batch order (default 0)",
@@ -51,22 +57,33 @@ _HELP = {
     "nvme_dir": "directory of the NVMe tier", "chunk_size": "storage chunk size (default 4MiB)",
     "lr": "peak learning rate (default 3e-3)", "grad_clip": "global-norm clip, 0 off (default 1.0)",
     "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (default: only at the end)",
-    "data": "text file, nanoGPT .bin or directory with train.bin/val.bin (default: embedded corpus)",
+    "data": "text or JSONL file, nanoGPT .bin or directory with train.bin/val.bin (default: embedded corpus)",
     "data_dtype": "token dtype of a .bin file: uint16 or uint32",
     "keep_graphs": "units that keep their forward graph instead of recomputing: auto, all, none or N (default auto)",
     "strategy": "data-parallel strategy with several ranks: ddp, zero1, zero2, zero3, hsdp or auto (default auto: "
                 "the fastest that fits; one rank runs local)",
     "shard_group_size": "hsdp: ranks per sharding group G (default min(8, world size))",
     "timeout": "seconds a rank waits for the others before it exits naming the missing rank (default 300)",
+    "init_from": "safetensors file or folder (a model folder or a luwu export) whose tensors, matched by name, "
+                 "are the first weights, streamed in unit by unit",
+    "tokenizer": "tokenizer.json or a model folder that tokenizes a text or JSONL --data once into a cached "
+                 "token file beside it (default: an hf:PATH model's own tokenizer; else byte-level text)",
+    "text_field": "the field of each JSONL line that holds a document (default text)",
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (_path, kind) in _FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=_HELP[name])
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir "
+                                                              "(an error when there is none)")
+    parser.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",
+                        help="--resume when --ckpt-dir holds a checkpoint, else start from step 0")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--spawn-node", dest="spawn_node", action="store_true",
+                        help="strategy node: start a local optimizer node (luwu node serve) for the --nproc ranks "
+                             "and stop it when training ends or fails")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="run N ranks on this machine (data parallel, each on its share of the cores); "
                              "the same as torchrun --nproc-per-node N -m luwu_rt train ...")
@@ -82,7 +99,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
-    if args.resume:
+    if args.resume or args.resume_if_exists:
         out.setdefault("checkpoint", {})["resume"] = True
     return out
 
@@ -90,17 +107,28 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _build(args: argparse.Namespace):
     from luwu_rt.config import from_mapping, load_toml, merge
     from luwu_rt.engine import Engine, TrainConfig
-    from luwu_rt.engine.checkpoint import latest_checkpoint
+    from luwu_rt.engine.checkpoint import CheckpointReader
+    from luwu_rt.engine.locks import lock_dir, writable_dir
+    from luwu_rt.engine.resume import check_steps, choose_checkpoint
 
     settings = merge(load_toml(args.config) if args.config else {}, _overrides(args))
     config = from_mapping(TrainConfig, settings)
-    if config.checkpoint.resume:
-        latest = latest_checkpoint(config.checkpoint.dir)
-        if latest is not None:
-            _say(f"resuming from {latest}")
-            return Engine.load(latest, overrides=settings)
-        _say(f"no checkpoint in {config.checkpoint.dir}; starting from step 0")
-    return Engine(None, config)
+    for path, flag in ((config.json_log, "--json-log"), (config.trace, "--trace")):
+        if path:  # outputs are checked before the first step, not when it ends ([Note: directory locks])
+            writable_dir(os.path.dirname(os.path.abspath(path)), flag=f"the directory of {flag}")
+    ckpt = config.checkpoint
+    if not ckpt.dir:
+        return Engine(None, config)
+    if int(os.environ.get("RANK") or 0) == 0:
+        # Held until the process ends: rank 0 alone writes and deletes checkpoints ([Note: directory locks]).
+        lock_dir(ckpt.dir, flag="--ckpt-dir")
+    start = choose_checkpoint(ckpt.dir, resume=ckpt.resume, if_exists=args.resume_if_exists, say=_say)
+    if start is None:
+        return Engine(None, config)
+    reader = CheckpointReader(start)
+    check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(reader.meta["config"], settings)).steps)
+    _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
+    return Engine.load(start, overrides=settings)
 
 
 def _say(line: str) -> None:
@@ -129,9 +157,30 @@ def _describe(engine) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
+    from luwu_rt.engine.interrupt import StopRequest, test_hook
 
     world_size = int(os.environ.get("WORLD_SIZE") or 1)
+    if getattr(args, "spawn_node", False):  # a local optimizer node around the whole run (node/spawn.py)
+        if world_size > 1 or args.node:
+            raise ValueError("--spawn-node starts the node itself: leave out --node, and use --nproc, not torchrun")
+        from luwu_rt.node.spawn import spawned_node
+
+        with spawned_node(num_workers=args.nproc or 1, timeout_s=args.timeout or 300.0) as address:
+            args.spawn_node, args.node, args.strategy = False, address, args.strategy or "node"
+            return run(args)
+    if not (args.nproc is not None and args.nproc > 1 and world_size == 1):
+        # From here on a signal asks to stop after a step instead of raising ([Note: interrupting a run]);
+        # the launcher of --nproc keeps Python's handler and forwards Ctrl-C to the ranks.
+        args.stop_request = StopRequest().install()
+        try:
+            test_hook("start", 1)
+            return _run(args, world_size)
+        finally:
+            args.stop_request.finish()
+    return _run(args, world_size)
+
+
+def _run(args: argparse.Namespace, world_size: int) -> int:
     if world_size > 1:  # a rank of torchrun or of --nproc: take its share of the cores before anything heavy
         from luwu_rt.dist.launch import pin_cores
 
@@ -152,17 +201,13 @@ def run(args: argparse.Namespace) -> int:
             # The ranks get the flags that were given ('--flag=value', which a value starting with '-' survives).
             argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _FLAGS
                     if getattr(args, name) is not None]
-            argv += [f"--{name}" for name in ("resume", "quiet") if getattr(args, name)]
+            argv += [f"--{name.replace('_', '-')}" for name in ("resume", "resume_if_exists", "quiet") if getattr(args, name)]
             argv += [f"--config={args.config}"] if args.config else []
             return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
         if world_size > 1:
             def train() -> int:
                 engine = _build(args)
-                try:
-                    code = _train(engine, args)
-                except KeyboardInterrupt:
-                    engine.close()
-                    raise
+                code = _train(engine, args)
                 # Not in a finally: after a failed step the queue threads may be stuck in collectives, and
                 # run_rank exits the process without waiting for them.
                 engine.close()
@@ -181,20 +226,48 @@ _LOGGED = ("step", "loss", "tokens_per_s", "step_s", "lr", "grad_norm", "skipped
 """Fields of a step's line in ``--json-log``; an evaluation adds a line ``{"step", "val_loss"}``."""
 
 
+def _stopping(engine, stop) -> bool:
+    """Whether to stop before the next step: a signal reached this rank or, with several ranks, any
+    rank, so that all of them stop after the same step ([Note: interrupting a run])."""
+    if not engine.world.distributed:
+        return stop.requested
+    return engine.world.all_reduce([1.0 if stop.requested else 0.0], "max")[0] > 0
+
+
+def _log_line(log, path: str, record: dict) -> None:
+    try:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    except OSError as exc:  # a full disk names the file, not only the errno
+        raise OSError(exc.errno, f"writing --json-log failed: {exc.strerror}", path) from None
+
+
 def _train(engine, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from luwu_rt.dist import health
 
+    from luwu_rt.engine.interrupt import wrap_handlers
+
     c = engine.config
     first = engine.world.rank == 0  # metrics are global: only the first rank reports them
     _say(_describe(engine))
-    log = open(c.json_log, "a") if c.json_log and first else None
+    if engine.weights_source:  # which of the model, a checkpoint folder or the seed the run starts from
+        _say(f"first {engine.weights_source}")
+    stop = getattr(args, "stop_request", None)
+    wrap_handlers(engine)
+    saved = engine.step if c.checkpoint.resume else -1  # the step of this run's newest checkpoint
+    try:
+        log = open(c.json_log, "a") if c.json_log and first else None
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot open --json-log ({exc.strerror})", c.json_log) from None
     totals = {"step_s": 0.0, "compute_s": 0.0, "optim_s": 0.0, "io_s": 0.0, "wait_s": 0.0}
     ran, speed = 0, 0.0
     bar = tqdm(total=c.steps, initial=engine.step, disable=args.quiet or not first, unit="step", dynamic_ncols=True)
     try:
         while engine.step < c.steps:
+            if stop is not None and _stopping(engine, stop):
+                break
             m = engine.train_step()
             health.progress(engine.step)  # a failure report names the step a silent rank stopped at
             ran += 1
@@ -205,23 +278,30 @@ def _train(engine, args: argparse.Namespace) -> int:
             speed = m["tokens_per_s"] if ran == 1 else 0.9 * speed + 0.1 * m["tokens_per_s"]
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{speed:.0f}")
             if log:
-                log.write(json.dumps({k: m[k] for k in _LOGGED}) + "\n")
-                log.flush()
+                _log_line(log, c.json_log, {k: m[k] for k in _LOGGED})
             if c.eval_every and engine.step % c.eval_every == 0:
                 val = engine.evaluate()  # on every rank: a collective under sharded strategies
                 if first:
                     bar.write(f"step {engine.step}: validation loss {val:.4f}")
                 if log:
-                    log.write(json.dumps({"step": engine.step, "val_loss": val}) + "\n")
-                    log.flush()
+                    _log_line(log, c.json_log, {"step": engine.step, "val_loss": val})
             if c.checkpoint.dir and c.checkpoint.every and engine.step % c.checkpoint.every == 0:
                 engine.save(c.checkpoint.dir)
+                saved = engine.step
     finally:
         bar.close()
         if log:
-            log.close()
-    if c.checkpoint.dir and (not c.checkpoint.every or engine.step % c.checkpoint.every):
+            try:
+                log.close()
+            except OSError:
+                pass  # the write that failed has raised already
+    if c.checkpoint.dir and saved != engine.step and engine.step > 0:
         engine.save(c.checkpoint.dir)
+    if stop is not None and stop.requested:
+        if first:
+            where = f"; --resume continues from step {engine.step}" if c.checkpoint.dir and engine.step else ""
+            print(f"luwu: stopped after step {engine.step} of {c.steps}{where}", file=sys.stderr)
+        return stop.exit_code
     if c.trace and engine.last_spans:
         from luwu_rt.exec import write_rank_traces
 

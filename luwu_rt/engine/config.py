@@ -13,7 +13,7 @@ __all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig"]
 
 _TIERS = ("device", "host", "nvme", "auto")
 _DTYPES = ("fp32", "bf16", "fp16")
-_RUNNABLE = tuple(s for s in STRATEGIES if s != "node")
+_RUNNABLE = STRATEGIES
 
 
 def _size(value: int | str, name: str) -> int:
@@ -106,6 +106,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1:
             raise ValueError(f"checkpoint: every must be >= 0 and keep >= 1, got {self.every}, {self.keep}")
+        if self.dir is not None and not self.dir.strip():  # "" must not quietly mean "no checkpoints"
+            raise ValueError("checkpoint.dir (--ckpt-dir) is empty; give a directory, or leave it out to save none")
         if self.resume and not self.dir:
             raise ValueError("--resume needs --ckpt-dir: the directory to resume from")
 
@@ -115,7 +117,12 @@ class TrainConfig:
     """A training run. Keys mirror ``luwu train`` flags; TOML files use the same keys and tables."""
 
     model: str = "gpt-tiny"
-    """Built-in preset (see ``luwu plan --help``) when the engine builds the model."""
+    """Built-in preset (see ``luwu plan --help``) when the engine builds the model, or ``hf:PATH``: a local
+    Hugging Face model folder (config.json + safetensors), built from its config and started from its weights."""
+    init_from: str | None = None
+    """Safetensors file or folder (a Hugging Face model folder or this project's export) whose tensors, matched
+    by name, are the first weights, streamed in unit by unit; ``None``: the model's own weights (``hf:PATH``:
+    its folder's), or the seed for a model on meta."""
     steps: int = 300
     """Optimizer steps to run in total (a resumed run stops at the same step)."""
     batch_size: int = 16
@@ -151,6 +158,12 @@ class TrainConfig:
     """Data-parallel strategy when several ranks run (``torchrun`` or ``luwu train --nproc N``): ``ddp``,
     ``zero1``, ``zero2``, ``zero3`` or ``hsdp``; ``auto`` lets the planner pick the fastest that fits.
     One rank always runs ``local``."""
+    node: str | None = None
+    """Strategy ``node``: the optimizer node's ZeroMQ address (``tcp://127.0.0.1:5555``), a ``luwu node serve``
+    started with ``--num-workers`` equal to the number of ranks."""
+    node_key: str | None = None
+    """Strategy ``node`` with a node started with ``--auth-keys``: this worker's ``.key_secret`` file from
+    ``luwu node keygen`` (the node's ``node.key`` beside it)."""
     shard_group_size: int = 0
     """``hsdp``: ranks per sharding group (G), replicated across groups; 0 means min(8, world size)."""
     timeout: float = 300.0
@@ -177,8 +190,17 @@ class TrainConfig:
                 or (isinstance(self.keep_graphs, int) and not isinstance(self.keep_graphs, bool) and self.keep_graphs >= 0)):
             raise ValueError(f"keep_graphs={self.keep_graphs!r}: choose auto, all, none or a number of units >= 0")
         if self.strategy not in ("auto",) + _RUNNABLE:
-            raise ValueError(f"strategy={self.strategy!r}: choose one of auto, {', '.join(_RUNNABLE)}"
-                             + (" (the optimizer node strategy is not built yet)" if self.strategy == "node" else ""))
+            raise ValueError(f"strategy={self.strategy!r}: choose one of auto, {', '.join(_RUNNABLE)}")
+        if self.strategy == "node" and not self.node:
+            raise ValueError("strategy node needs --node tcp://HOST:PORT (a running `luwu node serve`), or "
+                             "--spawn-node to start one")
+        if self.strategy == "node" and self.checkpoint.dir:
+            raise ValueError("--ckpt-dir with strategy node is not built yet: the optimizer state lives on the node "
+                             "(node snapshots are to come); leave out --ckpt-dir")
+        if self.node_key and not os.path.isfile(self.node_key):
+            raise ValueError(f"--node-key {self.node_key}: no such file; make keys with `luwu node keygen DIR`")
+        if self.node and self.strategy != "node":
+            raise ValueError(f"--node {self.node} applies to --strategy node, not {self.strategy}")
         if not isinstance(self.shard_group_size, int) or self.shard_group_size < 0:
             raise ValueError(f"shard_group_size must be an integer >= 0, got {self.shard_group_size!r}")
         if self.shard_group_size and self.strategy not in ("hsdp", "auto"):
@@ -187,6 +209,10 @@ class TrainConfig:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if self.eval_every < 0 or self.eval_batches <= 0:
             raise ValueError("eval_every must be >= 0 and eval_batches > 0")
+        folder = self.model[3:] if isinstance(self.model, str) and self.model.startswith("hf:") else None
+        if folder is not None and not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ValueError(f"--model {self.model}: {self.model[3:]!r} holds no config.json; hf:PATH takes a local "
+                             "model folder as save_pretrained writes it (nothing is downloaded)")
         if self.json_log:
             parent = os.path.dirname(os.path.abspath(self.json_log))
             if not os.path.isdir(parent):

@@ -51,16 +51,18 @@ from torch import nn
 from luwu_rt.config import from_mapping, merge
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
-from luwu_rt.engine.checkpoint import CheckpointReader, list_checkpoints
+from luwu_rt.engine.checkpoint import CheckpointReader, run_checkpoints
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
-from luwu_rt.engine.save import PERSISTENT, save_checkpoint
+from luwu_rt.engine.locks import writable_dir
+from luwu_rt.engine.save import PERSISTENT, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.schedule import lr_at
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
 from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Queues, Span
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
+from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, ModelSpec, Placement, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk
 from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
@@ -80,11 +82,14 @@ class Engine:
     """Trains a chain of units whose parameters and optimizer state live where the plan puts them.
 
     ``model``: a preset name (``"gpt-tiny"``), a ``UnitChain``, an ``nn.Sequential``-like list of units,
-    or a factory returning one. Models built on the ``meta`` device are materialised unit by unit
-    into the store from ``config.seed``.
+    or a factory returning one, or ``"hf:PATH"`` (a local Hugging Face model folder). The first weights
+    ([Note: where the first weights come from] in models/weights.py) come from ``init_from`` (or
+    ``config.init_from``: a safetensors checkpoint, streamed in unit by unit), else from the model's own
+    parameters when they are real tensors, else (a model on ``meta``) from ``config.seed``.
     """
 
-    def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True) -> None:
+    def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True,
+                 init_from: str | os.PathLike | None = None) -> None:
         self.config = config = config or TrainConfig()
         self.world: World = init_from_env(timeout_s=config.timeout)
         self.chain = _as_chain(model if model is not None else config.model)
@@ -96,7 +101,7 @@ class Engine:
         self._plan()
         device_arena = self.store.arenas.get("device")
         # [Note: data parallelism in the engine]: gradients in fp32 across ranks, the loss scaled to the global mean.
-        grad_dtype = torch.float32 if self.world.distributed else self.param_dtype
+        grad_dtype = torch.float32 if self.world.distributed or self.strategy.name == "node" else self.param_dtype
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=grad_dtype,
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
                                                          keep_graph=self.keep_graph),
@@ -106,7 +111,15 @@ class Engine:
         self.norms = NormHandlers(self.plan.shards, grad_dtype=grad_dtype)
         handlers = {"Compute": self.compute, "OptimStep": self._optim_step, "GradNorm": self.norms.grad_norm,
                     "NormReduce": self.norms.norm_reduce}
-        if self.world.distributed:
+        # -- strategy node: pushes and pulls go to the optimizer node ([Note: the worker under strategy node])
+        self.node = None
+        if self.strategy.name == "node":
+            from luwu_rt.node.worker import NodeWorker
+
+            self.node = NodeWorker(self, address=config.node)
+            handlers.update(self.node.handlers())
+        # -- end strategy node
+        if self.world.distributed and self.node is None:
             groups = {q: TorchGroup(pg) for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
             handlers.update(CollectiveHandlers(self.plan.shards, groups=groups, param_dtype=self.param_dtype,
                                                grad_dtype=grad_dtype, norms=self.norms).handlers())
@@ -122,14 +135,23 @@ class Engine:
         """Updates applied (steps skipped for non-finite gradients do not count), Adam's ``t``."""
         self.last_spans: list[Span] = []
         self._sampler = None
+        self.init_from = init_from if init_from is not None else config.init_from
+        """Safetensors file or folder the first weights are read from (``None``: the model or the seed)."""
+        self.weights_source: str | None = None
+        """Where the first weights came from, one line for the log (``None`` when loaded from a checkpoint)."""
         if materialize:
             self._materialize()
 
     def close(self) -> None:
         """Joins the queue threads and releases the store's IO engine; idempotent. The engine cannot
         run steps afterwards."""
+        if getattr(self, "node", None) is not None:  # says BYE to the optimizer node
+            self.node.close()
         self.queues.close()
         self.store.close()
+        for lock in getattr(self, "_dir_locks", {}).values():  # checkpoint directories save() locked
+            lock.release()
+        self._dir_locks = {}
 
     def __enter__(self) -> "Engine":
         return self
@@ -152,7 +174,7 @@ class Engine:
         if off.nvme_dir:
             # Each rank its own directory: its own shards, its own disk bandwidth where D spans disks.
             base = Path(off.nvme_dir) / f"rank-{world.rank}" if world.distributed else Path(off.nvme_dir)
-            os.makedirs(base, exist_ok=True)
+            writable_dir(base, flag="--nvme-dir")  # a file or an unwritable directory: one line, now
             nvme_root = base / "luwu_state"
             # Every rank must plan from the same budgets to make the same plan: the smallest free space.
             nvme_bytes = int(world.all_reduce([shutil.disk_usage(base).free], "min")[0])
@@ -170,7 +192,7 @@ class Engine:
                                    placement=self.placement, strategy=self.strategy)
         validate(self.eval_plan)
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
-                                        io_backend=self.config.io_backend)
+                                        io_backend=self.config.io_backend, also=(self.eval_plan,))
 
     def _agree(self, result) -> None:
         """Every rank must run the same plan, or their collectives would not match: compare digests."""
@@ -197,16 +219,20 @@ class Engine:
         return self.param_dtype if state == "param" else torch.float32
 
     def _materialize(self) -> None:
-        """Initialises every unit from ``(seed, unit)`` straight into the store, one unit at a time."""
+        """Writes every unit's first weights into the store, one unit at a time, from the source that
+        ``first_weights`` chose and logged ([Note: where the first weights come from])."""
+        source = first_weights(self.chain, seed=self.config.seed, init_from=self.init_from)
+        self.weights_source = source.description
         for u in range(self.chain.num_units):
-            self.chain.materialize(u, seed=self.config.seed)
-            flat = torch.cat([p.detach().reshape(-1).float() for p in self.chain.own_params(u)])
-            self.chain.release(u)
+            flat = source.unit(u)
             self._write_unit(u, {"master": flat, "exp_avg": torch.zeros_like(flat),
                                  "exp_avg_sq": torch.zeros_like(flat)})
 
     def _write_unit(self, unit: int, states: dict[str, torch.Tensor]) -> None:
         """Writes a unit's whole buffers (this rank's part of them, ``_mine``) into the store."""
+        if getattr(self, "node", None) is not None:  # the optimizer states are the node's ([Note: the worker under strategy node])
+            self.node.keep_initial(unit, states)
+            states = {"param": states["param"] if "param" in states else states["master"].to(self.param_dtype)}
         if "param" not in states:
             states = {**states, "param": states["master"].to(self.param_dtype)}
         for state, values in states.items():
@@ -243,8 +269,12 @@ class Engine:
         if self._sampler is None:
             from luwu_rt.data import BatchSampler, load_tokens
 
-            vocab = getattr(getattr(self.chain, "shape", None), "vocab_size", None) or 256
-            self.tokens = load_tokens(self.config.data, vocab_size=vocab)
+            # A GPT preset's shape or a Hugging Face chain's config knows the vocabulary; other chains are byte-level.
+            vocab = (getattr(self.chain, "vocab_size", None)
+                     or getattr(getattr(self.chain, "shape", None), "vocab_size", None) or 256)
+            # An hf:PATH model's folder tokenises text data with the model's own tokenizer.
+            self.tokens = load_tokens(self.config.data, vocab_size=vocab,
+                                      default_tokenizer=getattr(self.chain, "source", None))
             c = self.config
             # The global micro-batch: rank r trains on its rows ([Note: data parallelism in the engine]).
             self._sampler = BatchSampler(self.tokens.train, batch_size=c.batch_size * self.world.size,
@@ -271,6 +301,9 @@ class Engine:
         self.compute.begin(batches)
         self._skip = None
         self.optimizer.step = self.adam_step + 1
+        if self.node is not None:  # joins the optimizer node on the first step; the node updates, this reports the lr
+            self.node.begin(self.step + 1)
+            self.optimizer.hyper = self._hyper(None)
         start = time.perf_counter()
         self.last_spans = self.executor.run()
         step_s = time.perf_counter() - start
@@ -324,8 +357,9 @@ class Engine:
         several ranks every rank calls it ([Note: checkpoints of several ranks] in checkpoint.py)."""
         path = save_checkpoint(self, directory)
         if self.world.rank == 0:
+            # Only this run's checkpoints ([Note: one run per checkpoint directory] in resume.py).
             keep = self.config.checkpoint.keep
-            for old in list_checkpoints(directory)[:-keep]:
+            for old in run_checkpoints(directory, self.run_id)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         self.world.barrier()
         return path
@@ -335,8 +369,10 @@ class Engine:
         """An engine restored from the checkpoint ``directory`` (a ``step_<N>`` directory).
         ``overrides`` changes config keys (e.g. the number of steps, budgets or placement)."""
         reader = CheckpointReader(directory)
+        verify_checkpoint(reader, read_data=False)  # complete and self-consistent; data is checked as read
         config = from_mapping(TrainConfig, merge(reader.meta["config"], overrides or {}))
         engine = cls(model, config, materialize=False)
+        engine.run_id = reader.run_id  # a resumed run goes on owning its checkpoints
         if engine._signature() != reader.meta["model"]:
             raise ValueError(f"checkpoint {directory} holds a different model than the one given "
                              f"(unit names or parameter shapes differ)")

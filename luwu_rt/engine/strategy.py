@@ -24,6 +24,8 @@ DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 
 def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0) -> list[Strategy]:
     """The strategies a run of ``world_size`` ranks may use under ``TrainConfig.strategy == name``."""
+    if name == "node":  # never chosen by auto: it needs an optimizer node process
+        return [Strategy(name="node", world_size=world_size)]
     if world_size == 1:
         return [Strategy()]  # every data-parallel strategy is ``local`` on one rank
     if name == "local":

@@ -24,9 +24,9 @@ PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
 """Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it."""
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
-RUNNABLE_STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp")
-"""Strategies ``luwu train`` can run today; ``luwu plan`` says so for the others, whose plans are
-predictions only (``node`` until the optimizer node service lands)."""
+RUNNABLE_STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
+"""Strategies ``luwu train`` can run today (``node`` with a ``luwu node serve``); ``luwu plan`` says so
+for any other, whose plans are predictions only."""
 PLACEMENT_CHOICES = ("device", "host", "nvme", "auto")
 ALIGN_BYTES = 4096
 """O_DIRECT alignment: every state buffer and chunk is a multiple of this."""

@@ -13,7 +13,7 @@ an evaluation pass) run over one store as long as they agree on the layout
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -64,16 +64,19 @@ class TieredStore:
         self.nvme = nvme
         self.offsets = element_offsets(plan.shards)
         self._io = None
+        self._lock = None  # of the NVMe directory, when create() made the tier
         self.check_plan(plan)
 
     @classmethod
     def create(cls, plan: SwapPlan, *, device: torch.device, nvme_root: str | Path | None = None,
-               io_backend: str = "auto") -> "TieredStore":
+               io_backend: str = "auto", also: Sequence[SwapPlan] = ()) -> "TieredStore":
         """Allocates the arenas and, when the plan touches NVMe, a fresh NVMe tier under ``nvme_root``.
+        ``also``: other plans that will run over this store (evaluation); the arenas fit every plan.
 
         The NVMe tier is scratch space: the checkpoint, not these files, survives a crash. It is
         rebuilt from scratch so that a previous run's layout never blocks this one."""
-        arenas = {t: Arena(n, tier=t, device=device if t == "device" else None) for t, n in plan.arena_bytes.items()}
+        sizes = {t: max(p.arena_bytes.get(t, 0) for p in (plan, *also)) for t in plan.arena_bytes}
+        arenas = {t: Arena(n, tier=t, device=device if t == "device" else None) for t, n in sizes.items()}
         regions = nvme_regions(plan)
         if not regions:
             return cls(plan, arenas=arenas, nvme=None)
@@ -81,12 +84,20 @@ class TieredStore:
             raise ValueError("the plan keeps state on NVMe but no NVMe directory was given; pass --nvme-dir")
         from luwu_rt.io import IOEngine
 
-        io = IOEngine(backend=io_backend)
+        from luwu_rt.engine.locks import lock_dir
+
         root = Path(nvme_root)
-        if root.exists():
-            shutil.rmtree(root)
-        store = cls(plan, arenas=arenas, nvme=NvmeTier(root, regions=regions, chunk_bytes=plan.chunk_bytes, engine=io))
-        store._io = io
+        # Before the tier is wiped: another run's live state must not go ([Note: directory locks]).
+        lock = lock_dir(root.parent, flag="--nvme-dir")
+        try:
+            io = IOEngine(backend=io_backend)
+            if root.exists():
+                shutil.rmtree(root)
+            store = cls(plan, arenas=arenas, nvme=NvmeTier(root, regions=regions, chunk_bytes=plan.chunk_bytes, engine=io))
+        except BaseException:
+            lock.release()
+            raise
+        store._io, store._lock = io, lock
         return store
 
     def check_plan(self, plan: SwapPlan) -> None:
@@ -156,4 +167,7 @@ class TieredStore:
         if self._io is not None:
             self._io.close()
             self._io = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 

@@ -41,7 +41,7 @@ def test_write_then_read_every_state_at_its_home(tmp_path, params, optimizer) ->
 def test_a_plan_with_another_layout_is_refused() -> None:
     plan = _plan("host", "host")
     store = TieredStore(plan, arenas={t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}, nvme=None)
-    other = _plan("host", "host", host=800_000)
+    other = dataclasses.replace(plan, arena_bytes={**plan.arena_bytes, "host": plan.arena_bytes["host"] + 4096})
     with pytest.raises(ValueError, match="arena"):
         store.check_plan(other)
     moved = dataclasses.replace(plan, homes={**plan.homes, "param": "device"})
@@ -50,3 +50,17 @@ def test_a_plan_with_another_layout_is_refused() -> None:
     on_nvme = _plan("host", "nvme")
     with pytest.raises(ValueError, match="NVMe"):
         TieredStore(on_nvme, arenas={t: Arena(n, tier=t) for t, n in on_nvme.arena_bytes.items()}, nvme=None)
+
+
+def test_arenas_are_as_large_as_the_plans_reach_not_the_budget() -> None:
+    """A budget is a limit: the store allocates (and pins) only the bytes the plan's copies reach, the
+    larger of the plans that share it."""
+    small, large = _plan("host", "host"), _plan("host", "host", host=800_000)
+    assert large.arena_bytes["host"] < 800_000 and large.arena_bytes["host"] >= large.peak_bytes["host"]
+    store = TieredStore.create(small, device=torch.device("cpu"), also=(large,))
+    try:
+        assert store.arenas["host"].nbytes == max(small.arena_bytes["host"], large.arena_bytes["host"])
+        store.check_plan(small)
+        store.check_plan(large)
+    finally:
+        store.close()
