@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from report import cpu_model, emit  # benchmarks/report.py
+
 RANKS = 2
 DDP_TARGET = 1.10
 ZERO3_TARGET = 1.0
@@ -68,9 +70,7 @@ _MB = 1e6
 # -- the machine ----------------------------------------------------------------------------------
 
 def _machine() -> str:
-    model = "unknown CPU"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    model = cpu_model()
     mem = 0
     with contextlib.suppress(OSError), open("/proc/meminfo") as f:
         mem = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")), 0)
@@ -894,11 +894,7 @@ def main() -> int:
              f"Code: {revision}.", "",
              f"Command: `python benchmarks/bench_dist.py {' '.join(sys.argv[1:])}`", ""]
     lines += _report(args, timing, memory, load_before, load_mid, time.perf_counter() - started)
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+    emit(lines, args.out)
     return 0
 
 

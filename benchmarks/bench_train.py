@@ -24,7 +24,6 @@ with its default profile and with a profile measured in this run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
@@ -36,6 +35,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from report import cpu_model, emit  # benchmarks/report.py
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
@@ -50,9 +51,7 @@ _TOTAL_STEPS = 10_000  # the schedule's horizon: a benchmark's few steps stay in
 
 
 def _machine() -> str:
-    model = "unknown CPU"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    model = cpu_model()
     return (f"{model}, {os.cpu_count()} cpus, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
             f"Python {platform.python_version()}")
 
@@ -359,11 +358,7 @@ def main() -> int:
         lines += _p5(args)
     if args.part in ("p7", "both"):
         lines += _p7(args)
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+    emit(lines, args.out)
     return 0
 
 

@@ -8,6 +8,7 @@ but leave the checkpoint incomplete or inconsistent with its model.
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 from safety_common import SMALL, luwu, one_line_error
@@ -86,7 +87,7 @@ def test_random_edits_and_truncations_are_refused(saved, tmp_path) -> None:
     assert tried > 100
 
 
-def _resigned(saved, tmp_path, change) -> "Path":
+def _resigned(saved, tmp_path, change) -> Path:
     """A copy whose manifest ``change`` edits and whose checksum is recomputed (a consistent-looking lie)."""
     work = tmp_path / "resigned"
     shutil.copytree(saved, work)
