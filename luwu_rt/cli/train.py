@@ -72,9 +72,17 @@ _HELP = {
 }
 
 
+# Flags with a closed set of values: --help lists them and a typo is refused before anything starts.
+_CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "io_backend": ("auto", "io_uring", "threads"),
+            "offload_params": ("device", "host", "nvme", "auto"), "offload_optimizer": ("device", "host", "nvme", "auto"),
+            "offload_grads": ("device", "host", "nvme", "auto"),
+            "strategy": ("auto", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (_path, kind) in _FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=_HELP[name])
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=_HELP[name],
+                            choices=_CHOICES.get(name))
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir "
                                                               "(an error when there is none)")
     parser.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",

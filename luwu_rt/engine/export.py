@@ -51,6 +51,10 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: torc
             save_file(state, str(tmp), metadata={"source": str(checkpoint)})
         else:
             torch.save(state, tmp)
+        # safetensors creates its file 0600; an export is an ordinary file of the user's (their umask decides).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -105,6 +105,9 @@ def test_export_loads_into_the_plain_model(tmp_path) -> None:
     engine.train_step()
     ckpt = engine.save(tmp_path / "ck")
     out = export(ckpt, tmp_path / "model.safetensors")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file of the user's, not 0600
     model = build_gpt("gpt-tiny", device="cpu").model
     state = load_file(str(out))
     model.load_state_dict(state)  # strict: every name and shape matches
