@@ -20,6 +20,12 @@ def test_several_ranks_refuse_local_and_a_group_size_that_does_not_divide():
         candidate_strategies("hsdp", world_size=4, shard_group_size=3)
 
 
+def test_hsdp_in_groups_of_one_runs_as_ddp():
+    assert [(s.name, s.world_size) for s in candidate_strategies("hsdp", world_size=4, shard_group_size=1)] == [("ddp", 4)]
+    assert [s.name for s in candidate_strategies("auto", world_size=4, shard_group_size=1)] == ["ddp", "zero1", "zero2",
+                                                                                               "zero3"]
+
+
 def test_auto_considers_hsdp_only_with_groups_smaller_than_the_world():
     assert [s.name for s in candidate_strategies("auto", world_size=4)] == ["ddp", "zero1", "zero2", "zero3"]
     hsdp = candidate_strategies("auto", world_size=4, shard_group_size=2)[-1]
