@@ -17,6 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for a worker's gradients before stopping and naming it (default 300)")
     parser.add_argument("--auth-keys", default=None, metavar="DIR",
                         help="CURVE: accept only clients whose keys are in DIR/clients (luwu node keygen DIR)")
+    parser.add_argument("--snapshot-dir", default=None, metavar="DIR",
+                        help="write snapshots of the node's state here (a directory that survives restarts); a node "
+                             "started on a DIR holding one resumes from it and the workers replay from its step")
+    parser.add_argument("--snapshot-every", type=int, default=0, metavar="K",
+                        help="snapshot after every K-th step (default 0: never; needs --snapshot-dir)")
     parser.add_argument("--ready-file", default=None, metavar="FILE",
                         help="write the bound address here once listening (for launchers)")
 
@@ -28,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     from luwu_rt.node.service import NodeConfig, NodeService
 
     config = NodeConfig(bind=args.bind, num_workers=args.num_workers, host_mem=args.host_mem,
-                        nvme_dir=args.nvme_dir, timeout=args.timeout, auth_keys=args.auth_keys)
+                        nvme_dir=args.nvme_dir, timeout=args.timeout, auth_keys=args.auth_keys,
+                        snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every)
     service = NodeService(config)
     ready = threading.Event()
     if args.ready_file:

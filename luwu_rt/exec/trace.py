@@ -38,14 +38,17 @@ def write_chrome_trace(spans: Iterable[Span], path: str | os.PathLike) -> None:
     write_rank_traces([spans], path)
 
 
-def write_rank_traces(ranks: Sequence[Iterable[Span]], path: str | os.PathLike) -> None:
+def write_rank_traces(ranks: Sequence[Iterable[Span]], path: str | os.PathLike, *,
+                      extra: Sequence[tuple[str, Iterable[Span]]] = ()) -> None:
     """``ranks[r]``'s spans as process ``rank r``, one track per queue: one file for a run of several ranks.
     Each rank's times count from the start of its own step; the ranks start their steps together, held by
-    the collectives of the step before."""
+    the collectives of the step before. ``extra``: ``(name, spans)`` of other processes (the optimizer
+    node's queues), each a process row of its own after the ranks."""
     events: list[dict] = []
-    for rank, spans in enumerate(ranks):
-        if len(ranks) > 1:
-            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    rows = [(f"rank {r}", spans) for r, spans in enumerate(ranks)] + list(extra)
+    for rank, (name, spans) in enumerate(rows):
+        if len(rows) > 1:
+            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": name}})
         events += [
             {
                 "name": s.name, "cat": s.queue, "ph": "X", "pid": rank, "tid": s.queue,

@@ -28,7 +28,7 @@ import torch
 from .manifest import job_id, manifest_bytes
 from .protocol import DTYPE_CODES, MAX_PAYLOAD_BYTES, F, Message, ProtocolError, T, decode, encode
 
-__all__ = ["NodeClient", "NodeError"]
+__all__ = ["NodeClient", "NodeError", "NodeLost"]
 
 HEARTBEAT_S = 1.0
 """How often the client says it is alive, and asks the node to say so."""
@@ -36,6 +36,11 @@ HEARTBEAT_S = 1.0
 
 class NodeError(RuntimeError):
     """The optimizer node refused, failed or went silent."""
+
+
+class NodeLost(NodeError):
+    """The node this client joined restarted (a new epoch answered): the worker reconnects and replays
+    ([Note: a node that restarts] in worker.py)."""
 
 
 class _Transfer:
@@ -69,6 +74,11 @@ class NodeClient:
         self.job, self.epoch = 0, 0
         self.welcome: dict | None = None
         self.error: str | None = None
+        self.lost: str | None = None
+        """Set when a new incarnation of the node answered: every wait raises ``NodeLost``."""
+        self._stats: dict[int, dict] = {}
+        self._stats_cv = threading.Condition()
+        self._stats_waits: dict[int, threading.Event] = {}
         self.rejects = 0
         self.last_heard = time.monotonic()
         self._welcomed = threading.Event()
@@ -98,6 +108,8 @@ class NodeClient:
 
     def _wait(self, event: threading.Event, what: str) -> None:
         while not event.wait(0.2):
+            if self.lost is not None:
+                raise NodeLost(f"{what}: {self.lost}")
             if self.error is not None:
                 raise NodeError(f"{what}: {self.error}")
             silent = time.monotonic() - self.last_heard
@@ -107,14 +119,28 @@ class NodeClient:
         if self.error is not None:
             raise NodeError(f"{what}: {self.error}")
 
-    def connect(self, manifest: dict, initial: Iterable[tuple[int, int, torch.Tensor]] = ()) -> dict:
-        """HELLO with ``manifest``, then (worker 0) the initial state ``(unit, state index, fp32 values)``;
-        returns the node's WELCOME (``{"step": s, "epoch": e}``)."""
+    def stats(self, step: int) -> dict:
+        """The node's STATS of ``step`` (its grad norm), waiting for them like any transfer."""
+        done = threading.Event()
+        with self._stats_cv:
+            if step in self._stats:
+                done.set()
+            else:
+                self._stats_waits[step] = done
+        self._wait(done, f"worker {self.rank}: the node's metrics of step {step}")
+        with self._stats_cv:
+            return self._stats.pop(step)
+
+    def connect(self, manifest: dict, initial: Iterable[tuple[int, int, torch.Tensor]] | None = (), *,
+                step: int = 0) -> dict:
+        """HELLO with ``manifest``, then (worker 0) the initial state ``(unit, state index, fp32 values)``
+        (``None``: a rejoin at ``step``, the node has its state); returns the node's WELCOME (``{"step": s,
+        "adam_step": a, "epoch": e}``)."""
         self.job = job_id(manifest)
         self.last_heard = time.monotonic()
-        self._send(Message(T.HELLO, job=self.job, rank=self.rank, dtype=DTYPE_CODES["json"],
+        self._send(Message(T.HELLO, job=self.job, rank=self.rank, step=step, dtype=DTYPE_CODES["json"],
                            payload=manifest_bytes(manifest)))
-        if self.rank == 0:
+        if self.rank == 0 and initial is not None:
             for unit, state, values in initial:
                 data = memoryview(values.contiguous().view(torch.uint8).numpy())
                 for offset in range(0, len(data), self.chunk_bytes):
@@ -207,6 +233,9 @@ class NodeClient:
             self.rejects += 1
             return
         self.last_heard = time.monotonic()
+        if self.epoch and msg.epoch and msg.epoch != self.epoch and self.lost is None:
+            self.lost = f"the optimizer node at {self.address} restarted (a new incarnation answered)"
+            return
         if msg.type == T.ERROR:
             self.error = f"the optimizer node at {self.address} says: {bytes(msg.payload).decode(errors='replace')}"
             self._welcomed.set()
@@ -224,6 +253,13 @@ class NodeClient:
                         entry[0].done.set()
         elif msg.type == T.PARAM:
             self._param(msg)
+        elif msg.type == T.STATS:
+            stats = json.loads(bytes(msg.payload))
+            with self._stats_cv:
+                self._stats[int(stats["step"])] = stats
+                done = self._stats_waits.pop(int(stats["step"]), None)
+            if done is not None:
+                done.set()
 
     def _param(self, msg: Message) -> None:
         with self._lock:

@@ -32,6 +32,11 @@ class NodeConfig:
     auth_keys: str | None = None
     """Directory made by ``luwu node keygen``: CURVE with its allow-list of client keys ([Note: node keys]
     in auth.py); required to bind anything but loopback."""
+    snapshot_dir: str | None = None
+    """Directory for node snapshots ([Note: node snapshots] in snapshot.py); must survive restarts. A node
+    started on one that holds a snapshot resumes from it."""
+    snapshot_every: int = 0
+    """Snapshot after every K-th step (0: never)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -42,6 +47,10 @@ class NodeConfig:
             raise ValueError(f"max_message_bytes must be in (0, {MAX_PAYLOAD_BYTES}], got {self.max_message_bytes}")
         if not self.timeout > 0:
             raise ValueError(f"--timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 0:
+            raise ValueError(f"--snapshot-every must be a whole number of steps >= 0, got {self.snapshot_every!r}")
+        if self.snapshot_every and not self.snapshot_dir:
+            raise ValueError("--snapshot-every needs --snapshot-dir DIR (a directory that survives restarts)")
         if not _is_loopback(self.bind) and not self.auth_keys:
             raise ValueError(f"--bind {self.bind}: binding anything but loopback needs --auth-keys DIR (CURVE keys "
                              f"from `luwu node keygen DIR`), or bind tcp://127.0.0.1:PORT")

@@ -16,20 +16,27 @@ dropped and counted, never answered with a traceback, never applied.
 
 Per message type (W: worker -> node, N: node -> worker):
   HELLO      W  payload: the worker's manifest (JSON, [Note: the manifest] in
-                manifest.py); ``rank`` is the sender's rank.
+                manifest.py); ``rank`` is the sender's rank; ``step`` is 0, or the
+                step a worker was running when it rejoins a restarted node (which
+                needs a snapshot of the run).
   INIT       W  worker 0 only, after its HELLO: initial state, ``chunk`` = index
                 of the state in ``INIT_STATES``, ``offset`` bytes into the unit's
                 fp32 buffer; flag ``LAST`` on the final one.
-  WELCOME    N  payload JSON ``{"step": s, "epoch": e}``: training resumes after
-                step s; every later message carries the node's ``epoch``.
+  WELCOME    N  payload JSON ``{"step": s, "adam_step": a, "epoch": e}``: training
+                resumes after step s; every later message carries the node's ``epoch``.
   PUSH_GRAD  W  fp32 gradient bytes of ``unit`` at ``offset``, for ``step``.
   ACK        N  a push stored; flag ``DUPLICATE`` when it had been before (or was
                 stale): answered, not applied twice.
   PULL_PARAM W  asks for ``unit``'s parameters after ``step``'s update.
   PARAM      N  those parameter bytes at ``offset`` (one message per chunk).
-  HEARTBEAT  W/N  liveness; flag ``BYE`` when a worker is done.
+  HEARTBEAT  W/N  liveness; flag ``BYE`` when a worker is done. The node answers a
+                heartbeat from a peer it does not know (still counted as a reject)
+                with its ``epoch``: a worker whose node restarted learns it so.
+  STATS      N  payload JSON ``{"step": s, "grad_norm": g, "skipped": b}``, to every
+                worker once step s is done: the worker's metrics. The run's last step
+                adds ``"spans"`` (the node's op spans: the node's row in ``--trace``).
   ERROR      N  payload: a UTF-8 line naming the problem and the fix.
-  SNAPSHOT   reserved for node snapshots.
+  SNAPSHOT   reserved (snapshots are files: [Note: node snapshots] in snapshot.py).
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ __all__ = ["DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Mes
            "F", "decode", "encode"]
 
 MAGIC = b"LUWU"
-VERSION = 1
+VERSION = 2
+"""2: STATS, WELCOME with ``adam_step``, heartbeats answered with the node's epoch."""
 HEADER = struct.Struct("<4sBBHIIIiIQQB3xII")
 """magic, version, type, flags, job, rank, step, unit, chunk, offset, nbytes, dtype, epoch, checksum."""
 MAX_PAYLOAD_BYTES = 16 * 2**20
@@ -52,9 +60,9 @@ MAX_PAYLOAD_BYTES = 16 * 2**20
 class T:
     """Message types."""
 
-    HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT, SNAPSHOT, ERROR, ACK, INIT = range(1, 11)
+    HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT, SNAPSHOT, ERROR, ACK, INIT, STATS = range(1, 12)
     NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT", 7: "SNAPSHOT",
-             8: "ERROR", 9: "ACK", 10: "INIT"}
+             8: "ERROR", 9: "ACK", 10: "INIT", 11: "STATS"}
 
 
 class F:
@@ -73,7 +81,7 @@ DTYPES = {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 
 DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
 INIT_STATES = ("master", "exp_avg", "exp_avg_sq")
 """States worker 0 sends in INIT messages, by index (the header's ``chunk``)."""
-_WITH_PAYLOAD = {T.HELLO, T.WELCOME, T.PUSH_GRAD, T.PARAM, T.ERROR, T.INIT}
+_WITH_PAYLOAD = {T.HELLO, T.WELCOME, T.PUSH_GRAD, T.PARAM, T.ERROR, T.INIT, T.STATS}
 
 
 class ProtocolError(ValueError):

@@ -41,7 +41,7 @@ from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
 from luwu_rt.store import TieredStore
 
 from .manifest import model_spec
-from .protocol import ProtocolError
+from .protocol import INIT_STATES, ProtocolError
 
 __all__ = ["NodeRunner", "Pushes", "Served"]
 
@@ -174,7 +174,11 @@ class NodeRunner:
 
     def __init__(self, manifest: dict[str, Any], *, num_workers: int, host_bytes: int, nvme_dir: str | None,
                  timeout_s: float, on_served: Callable[[int, int], None], io_backend: str = "auto",
-                 chaos: Chaos | str | None = "env") -> None:
+                 chaos: Chaos | str | None = "env", start_step: int | None = None,
+                 adam_step: int | None = None) -> None:
+        # ``start_step``/``adam_step``: where a node resumed from its snapshot; else the manifest's.
+        start_step = int(manifest["start_step"]) if start_step is None else start_step
+        adam_step = int(manifest["adam_step"]) if adam_step is None else adam_step
         self.manifest = manifest
         self.model = model_spec(manifest)
         self.param_dtype = _DTYPES[manifest["dtype"]]
@@ -183,6 +187,15 @@ class NodeRunner:
         if nvme_dir:
             Path(nvme_dir).mkdir(parents=True, exist_ok=True)
         placement = Placement() if nvme_dir else Placement(params="host", optimizer="host", grads="host")
+        # Outside the plan but in host memory all the same: the served parameters (two copies) and, at
+        # worst, one pending step of every worker's pushes for every unit ([Note: pushes and the node's Recv]).
+        total = sum(u.num_params for u in self.model.units)
+        self.buffer_bytes = total * (2 * self.param_dtype.itemsize + 4 * num_workers)
+        if self.buffer_bytes >= host_bytes:
+            raise ValueError(f"the node's push and serve buffers alone take {self.buffer_bytes / 2**20:.1f} MiB "
+                             f"({num_workers} worker(s) x fp32 gradients + 2 x the parameters), more than its host "
+                             f"memory of {host_bytes / 2**20:.1f} MiB: raise --host-mem")
+        host_bytes -= self.buffer_bytes
         result = plan_node_auto(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
                                                             nvme_bytes=nvme_bytes), num_workers=num_workers,
                                 placement=placement)
@@ -193,7 +206,7 @@ class NodeRunner:
                                         io_backend=io_backend)
         self.numels = [u.num_params for u in self.model.units]
         self.pushes = Pushes(self.numels, num_workers=num_workers, chunk_bytes=self.model.chunk_bytes,
-                             applied=int(manifest["start_step"]))
+                             applied=start_step)
         self.served = Served([n * self.param_dtype.itemsize for n in self.numels])
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=torch.float32)
         self.norms = NormHandlers(self.plan.shards, grad_dtype=torch.float32)
@@ -202,8 +215,8 @@ class NodeRunner:
                     "GradNorm": self.norms.grad_norm, "NormReduce": self.norms.norm_reduce}
         self.executor = Executor(self.plan, store=self.store, handlers=handlers,
                                  chaos=Chaos.from_env(rank=NODE_CHAOS_RANK) if chaos == "env" else chaos)
-        self.step = int(manifest["start_step"])
-        self.adam_step = int(manifest["adam_step"])
+        self.step = start_step
+        self.adam_step = adam_step
         self._skip: bool | None = None
         self.metrics: dict[str, float] = {}
 
@@ -221,6 +234,11 @@ class NodeRunner:
             self.store.write_state(unit, "param", param)
             self.served.publish(unit, self.step, [param])
         self.store.flush()
+
+    def read_states(self) -> dict[tuple[int, str], torch.Tensor]:
+        """Every unit's fp32 master and moments, for a snapshot (between steps: the store is quiet)."""
+        return {(u, s): self.store.read_state(u, s, torch.empty(n, dtype=torch.float32))
+                for u, n in enumerate(self.numels) for s in INIT_STATES}
 
     # -- handlers ---------------------------------------------------------------------------------
 
@@ -261,7 +279,7 @@ class NodeRunner:
         self._skip = None
         self.optimizer.step = self.adam_step + 1
         start = time.perf_counter()
-        spans = self.executor.run()
+        spans = self.last_spans = self.executor.run()
         if not self._skip:
             self.adam_step += 1
         busy: dict[str, float] = {}
@@ -270,5 +288,6 @@ class NodeRunner:
         self.metrics = {"step": self.step, "step_s": time.perf_counter() - start, "recv_s": busy.get("push", 0.0),
                         "optim_s": busy.get("optim", 0.0), "send_s": busy.get("pull", 0.0),
                         "io_s": busy.get("nvme_read", 0.0) + busy.get("nvme_write", 0.0),
-                        "grad_norm": math.sqrt(self.norms.total_sq) / float(self.manifest["loss_scale"])}
+                        "grad_norm": math.sqrt(self.norms.total_sq) / float(self.manifest["loss_scale"]),
+                        "skipped": bool(self._skip)}
         return self.metrics

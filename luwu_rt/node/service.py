@@ -19,6 +19,7 @@ is done and every worker said BYE (or ``timeout_s`` after the last step).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import secrets
 import sys
@@ -33,6 +34,11 @@ from .config import NodeConfig
 from .manifest import difference, job_id
 from .protocol import DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode
 from .runner import NodeRunner
+from .snapshot import latest_snapshot, unit_states, write_snapshot
+
+HALT_ENV = "LUWU_NODE_TEST_HALT_AFTER"
+"""Tests only: the node stops working (stays up, answers nothing more) after this step, to be killed there."""
+_HALT_AFTER = os.environ.get(HALT_ENV, "")
 
 __all__ = ["NodeConfig", "NodeService"]
 
@@ -70,6 +76,26 @@ class NodeService:
         self._wake_lock = threading.Lock()
         self.address = config.bind
         """Where the node listens (the system's port once bound to ``tcp://HOST:*``)."""
+        self.resumed_from: int | None = None
+        """The step of the snapshot this node resumed from, if it did ([Note: node snapshots])."""
+        self._restore()
+
+    def _restore(self) -> None:
+        """Resumes from the newest snapshot in ``snapshot_dir``: the run's manifest, its states and its step
+        come from there, so the workers' HELLOs only have to agree with it (no INIT)."""
+        snap = latest_snapshot(self.config.snapshot_dir, log=self.log)
+        if snap is None:
+            return
+        self.manifest, self.job = snap.manifest, job_id(snap.manifest)
+        self.runner = NodeRunner(self.manifest, num_workers=self.config.num_workers, host_bytes=self.config.host_mem,
+                                 nvme_dir=self.config.nvme_dir, timeout_s=self.config.timeout,
+                                 on_served=self._served, io_backend=self.config.io_backend, chaos=self.chaos,
+                                 start_step=snap.step, adam_step=snap.adam_step)
+        for unit, state in unit_states(self.runner.numels):
+            self.runner.write_initial(unit, state, snap.state(unit, state))
+        self._init_done = True
+        self.resumed_from = snap.step
+        self.log(f"resumed run {self.job:08x} from {snap.path} (step {snap.step}); waiting for the workers to replay")
 
     # -- the protocol ([Note: the node protocol] in protocol.py) ------------------------------------
 
@@ -81,6 +107,9 @@ class NodeService:
                 self._hello(identity, msg)
                 return
             rank = self.peers.get(identity)
+            if rank is None and msg.type == T.HEARTBEAT:
+                # Likely a worker of this node's previous incarnation: our epoch tells it to say HELLO again.
+                self._reply(identity, Message(T.HEARTBEAT, epoch=self.epoch))
             if rank is None or rank != msg.rank:
                 raise ProtocolError("peer", "message from a peer that has not said HELLO as this rank")
             if msg.job != self.job:
@@ -123,6 +152,12 @@ class NodeService:
             num_workers = int(manifest["num_workers"])
         except (ValueError, KeyError, TypeError):
             raise ProtocolError("hello", "HELLO payload is not a manifest") from None
+        if msg.step and self.resumed_from is None:  # a rejoin ([Note: a node that restarts] in worker.py)
+            self.rejects["hello"] += 1
+            self._refuse(identity, f"worker {msg.rank} rejoins its run in step {msg.step}, but this node holds no "
+                                   f"snapshot of it: start the node with the --snapshot-dir it snapshotted into, "
+                                   f"or restart the workers too")
+            return
         if num_workers != self.config.num_workers or not 0 <= msg.rank < num_workers:
             self.rejects["hello"] += 1
             self._refuse(identity, f"worker rank {msg.rank} of {num_workers} workers, but this node serves "
@@ -197,7 +232,8 @@ class NodeService:
             threading.Thread(target=self._steps, name="luwu-node-steps", daemon=True).start()
 
     def _welcome(self, identity: bytes) -> None:
-        payload = json.dumps({"step": self.runner.step, "epoch": self.epoch}).encode()
+        payload = json.dumps({"step": self.runner.step, "adam_step": self.runner.adam_step,
+                              "epoch": self.epoch}).encode()
         self._reply(identity, Message(T.WELCOME, job=self.job, epoch=self.epoch, dtype=DTYPE_CODES["json"],
                                       payload=payload))
 
@@ -254,13 +290,40 @@ class NodeService:
         try:
             while runner.step < int(self.manifest["steps"]):
                 m = runner.run_step()
+                stats = {"step": m["step"], "grad_norm": m["grad_norm"], "skipped": m["skipped"]}
+                if m["step"] == int(self.manifest["steps"]):  # the run's last: for the workers' --trace
+                    stats["spans"] = [[x.name, x.queue, x.start_s, x.end_s, x.nbytes, x.tier]
+                                      for x in runner.last_spans]
+                stats = json.dumps(stats)
+                self._events.put(("stats", m["step"], stats.encode()))
+                self._notify()
+                self._maybe_snapshot()
                 self.log(f"step {m['step']}: {m['step_s'] * 1e3:.1f} ms (recv {m['recv_s'] * 1e3:.1f}, optim "
                          f"{m['optim_s'] * 1e3:.1f}, io {m['io_s'] * 1e3:.1f}, send {m['send_s'] * 1e3:.1f} ms), "
                          f"grad norm {m['grad_norm']:.4f}")
+                if _HALT_AFTER and runner.step == int(_HALT_AFTER):
+                    self.log(f"halted after step {runner.step} ({HALT_ENV}; a test kills the node here)")
+                    threading.Event().wait()
         except BaseException as exc:
             self.error = exc
         self.done_steps.set()
         self._notify()
+
+    def _maybe_snapshot(self) -> None:
+        """Between two steps, every ``snapshot_every`` steps ([Note: node snapshots] in snapshot.py)."""
+        runner, every = self.runner, self.config.snapshot_every
+        if not every or runner.step % every:
+            return
+        start = time.perf_counter()
+        path = write_snapshot(self.config.snapshot_dir, manifest=self.manifest, step=runner.step,
+                              adam_step=runner.adam_step, states=runner.read_states())
+        runner.metrics["snapshot_s"] = time.perf_counter() - start
+        self.log(f"snapshot {path} in {runner.metrics['snapshot_s'] * 1e3:.0f} ms")
+
+    def _send_stats(self, payload: bytes) -> None:
+        for identity, rank in list(self.peers.items()):
+            self._reply(identity, Message(T.STATS, job=self.job, rank=rank, epoch=self.epoch,
+                                          dtype=DTYPE_CODES["json"], payload=payload))
 
     def stop(self) -> None:
         """Makes ``serve`` return (status 0) at its next turn, from any thread."""
@@ -348,8 +411,11 @@ class NodeService:
                     while inbox.poll(0):
                         inbox.recv()
                 while not self._events.empty():
-                    _, unit, step = self._events.get()
-                    self.answer_served(unit, step)
+                    kind, a, b = self._events.get()
+                    if kind == "served":
+                        self.answer_served(a, b)
+                    else:
+                        self._send_stats(b)
                 outbox, self._outbox = self._outbox, []
                 for identity, frames in outbox:
                     router.send_multipart([identity, *frames], copy=False)

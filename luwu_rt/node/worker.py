@@ -11,6 +11,19 @@ is joined on the first step, when the step to resume from is known. The loss
 is scaled by 1 / (N x micro-batches) as for every data-parallel strategy, so
 the node's sum of the N pushes is the global batch's gradient.
 
+[Note: a node that restarts]
+A node killed and restarted on its snapshot directory answers with a new epoch,
+and every wait of the old connection raises ``NodeLost``. The workers must all
+notice at the same step, or one would replay while another waits in the loss
+all-reduce: so the step's loss all-reduce carries a "lost" flag too
+(``finish_step``), and a worker whose executor failed contributes its flag to
+that same all-reduce before it rejoins. Then each worker reconnects (a new
+client, the HELLO of its first connect, no INIT), learns the snapshot's step s
+from the WELCOME, pulls every unit's parameters after step s into its store,
+and replays steps s+1 ... up to the one it was running. Batches are drawn by
+step number and the node sums the pushes in rank order from the snapshot's
+exact fp32 state, so the replayed steps compute the same losses bit for bit.
+
 Where a gradient codec plugs in: ``_push`` hands the pieces to the client as
 they are; a compressor would encode them here and the node decode them in
 ``Pushes.offer``.
@@ -19,11 +32,13 @@ they are; a compressor would encode them here and the node decode them in
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .client import NodeClient
+from .client import NodeClient, NodeError, NodeLost
 from .protocol import INIT_STATES
 
 __all__ = ["NodeWorker", "WORKER_STATES"]
@@ -41,6 +56,16 @@ class NodeWorker:
         self.client: NodeClient | None = None
         self.step = 0
         self._initial: dict[int, dict[str, torch.Tensor]] = {}
+        self._manifest: dict[str, Any] | None = None
+        """The HELLO of the first connect, sent again on a reconnect: the run is the same one."""
+        self.grad_norm = 0.0
+        """The global gradient norm of the last step, from the node's STATS."""
+        self.replayed = 0
+        """Steps run again after the node restarted ([Note: a node that restarts])."""
+        self.rejoins = 0
+        self.node_spans: list = []
+        """The node's op spans of the run's last step: its own process row in ``--trace``."""
+        """Times this worker reconnected to a restarted node."""
 
     def keep_initial(self, unit: int, states: dict[str, torch.Tensor]) -> None:
         """The optimizer states of a unit that the engine wrote: worker 0 keeps them for the node."""
@@ -66,12 +91,76 @@ class NodeWorker:
                                      chunk_bytes=e.model_spec.chunk_bytes, node_key=e.config.node_key)
             initial = ((u, INIT_STATES.index(s), v) for u, states in sorted(self._initial.items())
                        for s, v in states.items())
-            welcome = self.client.connect(self.manifest(), initial)
+            self._manifest = self.manifest()
+            welcome = self.client.connect(self._manifest, initial)
             self._initial.clear()
             if welcome["step"] != e.step:
                 raise RuntimeError(f"the optimizer node at {self.address} is at step {welcome['step']}, this worker "
                                    f"at step {e.step}: resume the workers from the node's step")
         self.step = step
+
+    def train_step(self, step_fn: Callable[[Any], dict[str, float]], batch: Any) -> dict[str, float]:
+        """``step_fn(batch)`` (the engine's step), rejoining a restarted node and replaying the steps it
+        lost ([Note: a node that restarts])."""
+        e = self.engine
+        target = e.step + 1
+        while True:
+            try:
+                if e.step + 1 >= target:
+                    return step_fn(batch)
+                step_fn(None)  # a replayed step: its loss was reported the first time
+                self.replayed += 1
+            except NodeLost as exc:
+                if not getattr(exc, "agreed", False):
+                    e.world.all_reduce([0.0, 1.0])  # pairs with the others' finish_step: all rejoin
+                if batch is not None:
+                    raise NodeError(f"{exc}; replaying steps needs batches the engine draws by step number "
+                                    f"(train_step() without a batch)") from exc
+                self._rejoin(target)
+
+    def finish_step(self, loss_part: float) -> float:
+        """After the plan of a step: the node's STATS (the grad norm) and the loss all-reduce with the
+        "lost" flag; raises ``NodeLost`` on every worker if any lost the node."""
+        lost = None
+        try:
+            stats = self.client.stats(self.step)
+        except NodeLost as exc:
+            lost = exc
+        loss, flags = self.engine.world.all_reduce([loss_part, float(lost is not None)])
+        if flags:
+            err = lost or NodeLost(f"worker {self.engine.world.rank}: another worker lost the optimizer node")
+            err.agreed = True
+            raise err
+        self.grad_norm = float(stats["grad_norm"])
+        if "spans" in stats:
+            from luwu_rt.exec import Span
+
+            self.node_spans = [Span(*x) for x in stats["spans"]]
+        if stats["skipped"]:  # the node skipped the update (a non-finite norm): so does the worker's count
+            self.engine._skip = True
+            self.engine.adam_step -= 1
+        return loss
+
+    def _rejoin(self, target: int) -> None:
+        """A new connection to the restarted node; the store gets the parameters of the node's step."""
+        e = self.engine
+        self.client.close(bye=False)
+        self.client = NodeClient(self.address, rank=e.world.rank, timeout_s=e.config.timeout,
+                                 chunk_bytes=e.model_spec.chunk_bytes, node_key=e.config.node_key)
+        welcome = self.client.connect(self._manifest, None, step=target)
+        step = int(welcome["step"])
+        if step >= target:
+            raise NodeError(f"the optimizer node at {self.address} resumed at step {step}, past this worker's step "
+                            f"{target}: its snapshot directory holds another run's snapshot")
+        print(f"luwu worker {e.world.rank}: the optimizer node at {self.address} restarted at step {step}; "
+              f"replaying steps {step + 1}..{target}", file=sys.stderr, flush=True)
+        for unit, spec in enumerate(e.model_spec.units):
+            buf = torch.empty(spec.num_params, dtype=e.param_dtype)
+            self.client.pull(step, unit, [(0, buf)]).wait()
+            e.store.write_state(unit, "param", buf)
+        e.store.flush()
+        e.step, e.adam_step = step, int(welcome["adam_step"])
+        self.rejoins += 1
 
     def _pieces(self, views, state: str, dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
         shards, offsets = self.engine.plan.shards, self.engine.store.offsets

@@ -27,3 +27,19 @@ def train(rank: int, runs: list[tuple[str, dict, str]]) -> dict[str, list[float]
             assert engine.strategy.name == "node"
             out[key] = [engine.train_step()["loss"] for _ in range(STEPS)]
     return out
+
+
+def train_metrics(rank: int, runs: list[tuple[str, dict]]) -> dict[str, dict[str, Any]]:
+    """Each run ``(key, overrides)`` for ``STEPS`` steps without chaos: its losses, grad norms and the
+    steps the worker replayed after its node restarted."""
+    from luwu_rt.engine import Engine
+    from luwu_rt.exec.chaos import CHAOS_ENV
+
+    os.environ[CHAOS_ENV] = ""
+    out = {}
+    for key, overrides in runs:
+        with Engine(None, config(**overrides)) as engine:
+            metrics = [engine.train_step() for _ in range(STEPS)]
+            out[key] = {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
+                        "replayed": engine.node.replayed, "rejoins": engine.node.rejoins}
+    return out

@@ -184,3 +184,28 @@ def test_a_worker_that_never_pushes_is_named_after_the_timeout() -> None:
     assert service.done_steps.wait(30)
     assert isinstance(service.error, TimeoutError)
     assert "from worker(s) [1] within 1s" in str(service.error) and "worker 1 never heard" in str(service.error)
+
+
+def test_the_push_and_serve_buffers_count_in_the_host_budget() -> None:
+    """2M fp32 parameters: two workers' pending pushes (16 MiB) and the two served copies (16 MiB) do not
+    fit in 5 MiB of host memory: the node refuses the run and says how much its buffers take."""
+    from luwu_rt.node.runner import NodeRunner
+
+    m = manifest()
+    m["model"]["units"] = [{"name": "u0", "num_params": 2**20, "reads": []}, {"name": "u1", "num_params": 2**20,
+                                                                            "reads": []}]
+    with pytest.raises(ValueError, match=r"push and serve buffers alone take 32.0 MiB .* raise --host-mem"):
+        NodeRunner(m, num_workers=2, host_bytes=5 * 2**20, nvme_dir=None, timeout_s=1.0, on_served=lambda u, s: None,
+                   chaos=None)
+
+
+def test_a_node_without_the_runs_snapshot_refuses_a_rejoin() -> None:
+    """Workers rejoining at step 3 a node restarted without its snapshot directory are told so, not left
+    waiting for an initial state that no worker sends."""
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lambda line: None)
+    service.handle(b"w0", encode(Message(T.HELLO, rank=0, step=3, dtype=DTYPE_CODES["json"],
+                                         payload=manifest_bytes(manifest()))))
+    identity, frames = service._outbox[-1]
+    reply = decode(frames)
+    assert identity == b"w0" and reply.type == T.ERROR and service.manifest is None
+    assert "holds no snapshot" in bytes(reply.payload).decode() and service.rejects["hello"] == 1
