@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"), help="IO backend (default auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--sweep", action="store_true", help="try several block sizes and queue depths; print the best")
+    parser.add_argument("--profile-out", default=None, metavar="FILE",
+                        help="also write the measured nvme_read_gbps and nvme_write_gbps into FILE, a hardware "
+                             "profile for `luwu plan --profile FILE` (other keys already in FILE are kept)")
 
 
 def measure(
@@ -126,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         best_write, best_read = sweep(args.dir, size_bytes=size_bytes, backend=args.backend,
                                       log=(lambda _line: None) if args.json else print)
+        _write_profile(args.profile_out, write_gbps=best_write.write_gbps, read_gbps=best_read.read_gbps)
         if args.json:
             print(json.dumps({"best_write": asdict(best_write), "best_read": asdict(best_read)}))
         else:
@@ -136,5 +141,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     result = measure(args.dir, size_bytes=size_bytes, block_bytes=args.block_kb * 1024,
                      queue_depth=args.queue_depth, backend=args.backend)
+    _write_profile(args.profile_out, write_gbps=result.write_gbps, read_gbps=result.read_gbps)
     print(json.dumps(asdict(result)) if args.json else _describe(result))
     return 0
+
+
+def _write_profile(path: str | None, *, write_gbps: float, read_gbps: float) -> None:
+    if path is None:
+        return
+    from luwu_rt.cli.profile_out import merge_profile
+
+    merge_profile(path, {"nvme_read_gbps": read_gbps, "nvme_write_gbps": write_gbps})
+    # On stderr, so that --json keeps stdout to its one object.
+    print(f"wrote nvme_read_gbps and nvme_write_gbps to {path}; use it with `luwu plan --profile {path}`",
+          file=sys.stderr)

@@ -107,6 +107,29 @@ def _raw_io_seconds(directory: str, *, read_bytes: int, write_bytes: int, block_
                 os.unlink(path)
 
 
+def _host_too_small(model, host_bytes: int, placement, args: argparse.Namespace) -> str:
+    """The planner's does-not-fit, in this command's terms: its placement is fixed (params and grads on
+    the host, optimizer state on NVMe), so the remedies are its own flags, with the smallest --host-mem
+    that plans."""
+    from luwu_rt.plan import Budgets, Strategy, format_size, plan_step
+    from luwu_rt.plan.planner import lower_bounds
+
+    need = -(-lower_bounds(model, placement=placement, strategy=Strategy())["host"] // 2**20) * 2**20
+    # The lower bound ignores fragmentation; a few chunks more always plan.
+    for extra in range(0, 9):
+        try:
+            plan_step(model, budgets=Budgets(device_bytes=0, host_bytes=need + extra * model.chunk_bytes),
+                      placement=placement)
+        except ValueError:
+            continue
+        need += extra * model.chunk_bytes
+        break
+    return (f"--host-mem {args.host_mem} is too small for {args.params} params: the host holds every unit's bf16 "
+            f"params and fp32 grads plus the optimizer state of the units being updated, at least "
+            f"{format_size(need)}; pass --host-mem {need // 2**20}MiB or more, or fewer --params or a smaller "
+            f"--unit-params")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -125,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
     # Optimizer-only plan: gradients wait at their home (host) as after a backward pass.
     budgets = Budgets(device_bytes=0, host_bytes=parse_size(args.host_mem))
     placement = Placement(params="host", optimizer="nvme", grads="host")
-    plan = plan_step(model, budgets=budgets, placement=placement)
+    try:
+        plan = plan_step(model, budgets=budgets, placement=placement)
+    except ValueError:
+        raise ValueError(_host_too_small(model, budgets.host_bytes, placement, args)) from None
     validate(plan)
 
     workdir = tempfile.mkdtemp(prefix="luwu-offload-", dir=args.nvme_dir)

@@ -92,15 +92,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for state in ("params", "optimizer", "grads"):
         node.add_argument(f"--node-offload-{state}", default=None, choices=_NODE_TIER_CHOICES,
                           help=f"home tier of the node's {state} (default auto: fastest that fits)")
-    parser.add_argument("--profile", default=None, metavar="JSON",
-                        help="hardware profile (bandwidths, latencies, FLOP/s) as written by `luwu bench`; "
-                             "default: built-in")
+    parser.add_argument("--profile", default=None, metavar="JSON", help=_profile_help())
     parser.add_argument("--policy", default="belady", choices=("belady", "lru"), help="eviction policy (default belady)")
     parser.add_argument("--show-ops", type=int, default=0, metavar="N", help=_SHOW_OPS_HELP)
     parser.add_argument("--ops-from", default="0", metavar="I|backward",
                         help="first op --show-ops prints: an op index, or 'backward' for the ops after the last "
                              "forward compute (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _profile_help() -> str:
+    from dataclasses import fields
+
+    from luwu_rt.plan.spec import HardwareProfile
+
+    keys = ", ".join(f.name for f in fields(HardwareProfile))
+    return (f"hardware profile: a JSON object of any of the keys {keys} (GB/s, seconds, per second, FLOP/s; "
+            f"missing keys keep the built-in defaults). `luwu bench io --dir DIR --profile-out FILE` writes the "
+            f"NVMe keys of DIR's disk into FILE; default: built-in")
+
+
+def _load_profile(path: str | None):
+    from luwu_rt.plan.spec import HardwareProfile
+
+    if path is None:
+        return HardwareProfile()
+    try:
+        return HardwareProfile.from_json(path)
+    except ValueError as exc:
+        # The likeliest wrong file is a bench's --json measurement, which is not a profile.
+        raise ValueError(f"--profile {path}: {exc} (`luwu bench io --dir DIR --profile-out {path}` writes one)") \
+            from None
 
 
 def _nvme_budget(args: argparse.Namespace) -> int:
@@ -111,9 +133,15 @@ def _nvme_budget(args: argparse.Namespace) -> int:
     if args.nvme_dir is None:
         return 0  # no NVMe tier unless one is named
     path = Path(args.nvme_dir)
-    if not path.is_dir():
-        raise ValueError(f"--nvme-dir {path} is not a directory; create it or pass --nvme-size to plan without one")
-    return shutil.disk_usage(path).free
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--nvme-dir {path} is a file, not a directory; give a directory, or --nvme-size to plan "
+                         f"without one")
+    # A missing directory is one `luwu train --nvme-dir` creates: plan with the free space of the disk it
+    # will be created on (its nearest existing parent), as train will.
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
 
 
 def _strategy(args: argparse.Namespace):
@@ -157,7 +185,7 @@ def _model_spec(args: argparse.Namespace, shape, *, chunk_bytes: int):
 
 def run(args: argparse.Namespace) -> int:
     from luwu_rt.models.presets import get_preset
-    from luwu_rt.plan import (RUNNABLE_STRATEGIES, Budgets, DoesNotFit, HardwareProfile, Placement, estimate,
+    from luwu_rt.plan import (RUNNABLE_STRATEGIES, Budgets, DoesNotFit, Placement, estimate,
                               parse_size, plan_auto, validate)
 
     shape = get_preset(args.model)
@@ -169,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     candidates = strategy if isinstance(strategy, list) else [strategy]
     strategy = candidates[0]
     placement = Placement(params=args.offload_params, optimizer=args.offload_optimizer, grads=args.offload_grads)
-    profile = HardwareProfile.from_json(args.profile) if args.profile else HardwareProfile()
+    profile = _load_profile(args.profile)
     head = {"model": shape.name, "params": model.num_params, "strategy": strategy.name,
             "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
             "activation_bytes": model.activation_bytes,

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--resume when --ckpt-dir holds a checkpoint, else start from step 0")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--keep-nvme-state", dest="keep_nvme_state", action="store_true",
+                        help="keep the NVMe tier's files (luwu_state/ under --nvme-dir) after the run; by default "
+                             "they are scratch and removed at exit (the checkpoint is what survives)")
     parser.add_argument("--spawn-node", dest="spawn_node", action="store_true",
                         help="strategy node: start a local optimizer node (luwu node serve) for the --nproc ranks "
                              "and stop it when training ends or fails")
@@ -109,6 +112,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         node[path[-1]] = value
     if args.resume or args.resume_if_exists:
         out.setdefault("checkpoint", {})["resume"] = True
+    if getattr(args, "keep_nvme_state", False):
+        out.setdefault("offload", {})["keep_nvme_state"] = True
     return out
 
 
@@ -121,6 +126,9 @@ def _build(args: argparse.Namespace):
 
     settings = merge(load_toml(args.config) if args.config else {}, _overrides(args))
     config = from_mapping(TrainConfig, settings)
+    if config.offload.nvme_dir and not os.path.exists(config.offload.nvme_dir):
+        # Created as `luwu plan --nvme-dir` assumes, but said: a typo should not fill another disk unnoticed.
+        _say(f"creating --nvme-dir {config.offload.nvme_dir} (it did not exist)")
     for path, flag in ((config.json_log, "--json-log"), (config.trace, "--trace")):
         if path:  # outputs are checked before the first step, not when it ends ([Note: directory locks])
             writable_dir(os.path.dirname(os.path.abspath(path)), flag=f"the directory of {flag}")
@@ -209,7 +217,8 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
             # The ranks get the flags that were given ('--flag=value', which a value starting with '-' survives).
             argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _FLAGS
                     if getattr(args, name) is not None]
-            argv += [f"--{name.replace('_', '-')}" for name in ("resume", "resume_if_exists", "quiet") if getattr(args, name)]
+            argv += [f"--{name.replace('_', '-')}" for name in ("resume", "resume_if_exists", "quiet", "keep_nvme_state")
+                     if getattr(args, name)]
             argv += [f"--config={args.config}"] if args.config else []
             return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
         if world_size > 1:
@@ -265,6 +274,12 @@ def _train(engine, args: argparse.Namespace) -> int:
     stop = getattr(args, "stop_request", None)
     wrap_handlers(engine)
     saved = engine.step if c.checkpoint.resume else -1  # the step of this run's newest checkpoint
+    if c.json_log and first and c.checkpoint.resume and engine.step > 0:
+        from luwu_rt.cli.json_log import drop_lines_after
+
+        if dropped := drop_lines_after(c.json_log, engine.step):
+            _say(f"dropped {dropped} line(s) past step {engine.step} from --json-log: the steps after the checkpoint "
+                 f"run again")
     try:
         log = open(c.json_log, "a") if c.json_log and first else None
     except OSError as exc:
@@ -294,8 +309,10 @@ def _train(engine, args: argparse.Namespace) -> int:
                 if log:
                     _log_line(log, c.json_log, {"step": engine.step, "val_loss": val})
             if c.checkpoint.dir and c.checkpoint.every and engine.step % c.checkpoint.every == 0:
-                engine.save(c.checkpoint.dir)
+                where = engine.save(c.checkpoint.dir)
                 saved = engine.step
+                if first:
+                    bar.write(f"step {engine.step}: checkpoint saved to {where}", file=sys.stderr)
     finally:
         bar.close()
         if log:
@@ -304,7 +321,7 @@ def _train(engine, args: argparse.Namespace) -> int:
             except OSError:
                 pass  # the write that failed has raised already
     if c.checkpoint.dir and saved != engine.step and engine.step > 0:
-        engine.save(c.checkpoint.dir)
+        _say(f"step {engine.step}: checkpoint saved to {engine.save(c.checkpoint.dir)}")
     if stop is not None and stop.requested:
         if first:
             where = f"; --resume continues from step {engine.step}" if c.checkpoint.dir and engine.step else ""
@@ -315,7 +332,8 @@ def _train(engine, args: argparse.Namespace) -> int:
 
         every = engine.world.all_gather_object(engine.last_spans)  # one file, one process row per rank
         if first:
-            write_rank_traces(every, c.trace)
+            node = engine.node.node_spans if engine.node is not None else []  # the node's queues: a row of its own
+            write_rank_traces(every, c.trace, extra=[("optimizer node", node)] if node else ())
     if ran and first:
         avg = {k: v / ran for k, v in totals.items()}
         other = max(avg["step_s"] - avg["compute_s"] - avg["wait_s"], 0.0)

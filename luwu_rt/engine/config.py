@@ -42,7 +42,11 @@ class OffloadConfig:
     host_mem: int | str = "32MiB"
     """Pinned host arena budget in bytes."""
     nvme_dir: str | None = None
-    """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it)."""
+    """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it).
+    Created when missing, as ``luwu plan --nvme-dir`` assumes. The tier's files (``luwu_state/`` under it)
+    are scratch: the checkpoint, not they, survives a run, so they are removed when the engine closes."""
+    keep_nvme_state: bool = False
+    """Keep ``luwu_state/`` under ``nvme_dir`` after the run (to look at it); the next run rebuilds it anyway."""
     chunk_size: int | str = "4MiB"
     """Storage chunk: the unit of file IO and checksums; a multiple of 4 KiB."""
 
@@ -196,7 +200,8 @@ class TrainConfig:
                              "--spawn-node to start one")
         if self.strategy == "node" and self.checkpoint.dir:
             raise ValueError("--ckpt-dir with strategy node is not built yet: the optimizer state lives on the node "
-                             "(node snapshots are to come); leave out --ckpt-dir")
+                             "and is saved by the node's own snapshots (luwu node serve --snapshot-dir DIR "
+                             "--snapshot-every K); leave out --ckpt-dir")
         if self.node_key and not os.path.isfile(self.node_key):
             raise ValueError(f"--node-key {self.node_key}: no such file; make keys with `luwu node keygen DIR`")
         if self.node and self.strategy != "node":

@@ -192,7 +192,8 @@ class Engine:
                                    placement=self.placement, strategy=self.strategy)
         validate(self.eval_plan)
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
-                                        io_backend=self.config.io_backend, also=(self.eval_plan,))
+                                        io_backend=self.config.io_backend, also=(self.eval_plan,),
+                                        scratch=not off.keep_nvme_state)
 
     def _agree(self, result) -> None:
         """Every rank must run the same plan, or their collectives would not match: compare digests."""
@@ -252,6 +253,8 @@ class Engine:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the last step's (unscaled) gradients."""
+        if self.node is not None:  # the node computed it ([Note: the node protocol]'s STATS)
+            return self.node.grad_norm
         return math.sqrt(self.norms.total_sq) / self.loss_scale
 
     def _optim_step(self, op, views) -> None:
@@ -289,6 +292,11 @@ class Engine:
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor] | list | None = None) -> dict[str, float]:
         """One optimizer step. ``batch``: ``(inputs, targets)``, a list of ``grad_accum`` of them, or
         ``None`` to draw the next ones from the configured data. Returns the step's metrics."""
+        if self.node is not None:  # replays steps after a node restart ([Note: a node that restarts], node/worker.py)
+            return self.node.train_step(self._train_step, batch)
+        return self._train_step(batch)
+
+    def _train_step(self, batch: tuple[torch.Tensor, torch.Tensor] | list | None = None) -> dict[str, float]:
         c = self.config
         if batch is None:
             sampler = self.sampler()
@@ -312,7 +320,8 @@ class Engine:
             self.adam_step += 1
         tokens = sum(y.numel() for _, y in batches) * self.world.size
         busy = _busy_by_queue(self.last_spans)
-        (loss,) = self.world.all_reduce([sum(self.compute.losses) / len(self.compute.losses) / self.world.size])
+        part = sum(self.compute.losses) / len(self.compute.losses) / self.world.size
+        (loss,) = [self.node.finish_step(part)] if self.node is not None else self.world.all_reduce([part])
         return {
             "step": self.step, "loss": loss,
             "lr": self.optimizer.hyper.lr, "grad_norm": self.grad_norm(), "skipped": bool(self._skip),

@@ -65,13 +65,16 @@ class TieredStore:
         self.offsets = element_offsets(plan.shards)
         self._io = None
         self._lock = None  # of the NVMe directory, when create() made the tier
+        self._scratch: Path | None = None  # the tier's directory, removed by close() (create(scratch=True))
         self.check_plan(plan)
 
     @classmethod
     def create(cls, plan: SwapPlan, *, device: torch.device, nvme_root: str | Path | None = None,
-               io_backend: str = "auto", also: Sequence[SwapPlan] = ()) -> "TieredStore":
+               io_backend: str = "auto", also: Sequence[SwapPlan] = (), scratch: bool = False) -> "TieredStore":
         """Allocates the arenas and, when the plan touches NVMe, a fresh NVMe tier under ``nvme_root``.
         ``also``: other plans that will run over this store (evaluation); the arenas fit every plan.
+        ``scratch``: ``close`` removes ``nvme_root`` (before it drops the lock, so that no other run is
+        using the directory while it goes).
 
         The NVMe tier is scratch space: the checkpoint, not these files, survives a crash. It is
         rebuilt from scratch so that a previous run's layout never blocks this one."""
@@ -98,6 +101,7 @@ class TieredStore:
             lock.release()
             raise
         store._io, store._lock = io, lock
+        store._scratch = root if scratch else None
         return store
 
     def check_plan(self, plan: SwapPlan) -> None:
@@ -165,8 +169,13 @@ class TieredStore:
     def close(self) -> None:
         """Releases the IO engine this store created (arenas are freed with the object)."""
         if self._io is not None:
-            self._io.close()
+            self._io.close()  # closes the tier's files before they are removed
             self._io = None
+        if self._scratch is not None:
+            # Under the lock, so no other run uses it now. Best effort: close() also runs after a failed step,
+            # whose error must not be hidden by one about scratch files the next run rebuilds anyway.
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -21,3 +21,19 @@ def test_offload_step_needs_an_existing_dir(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--nvme-dir", str(tmp_path / "no")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--nvme-dir does not exist" in r.stderr
+
+
+def test_offload_step_too_little_host_suggests_its_own_flags(tmp_path) -> None:
+    """Issue 13 item 5: the remedy names this command's flags (its placement is fixed), and the --host-mem
+    it suggests runs."""
+    import re
+
+    base = [sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--params", "3M", "--unit-params", "1M",
+            "--chunk-size", "1MiB", "--steps", "1", "--nvme-dir", str(tmp_path)]
+    r = subprocess.run(base + ["--host-mem", "8MiB"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "every state lives on NVMe" not in r.stderr and "--unit-params" in r.stderr
+    suggested = re.search(r"pass --host-mem (\S+) or more", r.stderr)
+    assert suggested, r.stderr
+    r = subprocess.run(base + ["--host-mem", suggested.group(1), "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr

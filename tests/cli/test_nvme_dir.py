@@ -1,0 +1,46 @@
+"""Issue 13 item 6: `luwu train` and `luwu plan` treat a missing --nvme-dir alike (train creates it, plan
+plans with the free space of the disk it will be on), and the scratch tier is removed at exit unless kept."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SMALL = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0", "--quiet",
+         "--chunk-size", "64KiB", "--offload-optimizer", "nvme"]
+
+
+def _luwu(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "luwu_rt", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_train_creates_a_missing_nvme_dir_says_so_and_removes_its_scratch(tmp_path) -> None:
+    nv = tmp_path / "not" / "yet"
+    r = _luwu("train", *SMALL, "--nvme-dir", str(nv))
+    assert r.returncode == 0, r.stderr
+    assert f"creating --nvme-dir {nv}" in r.stderr and "optimizer state on nvme" in r.stderr
+    assert nv.is_dir() and not (nv / "luwu_state").exists()  # the lock file stays, as locks.py explains
+
+
+def test_keep_nvme_state_keeps_it(tmp_path) -> None:
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    r = _luwu("train", *SMALL, "--nvme-dir", str(nv), "--keep-nvme-state")
+    assert r.returncode == 0, r.stderr
+    assert "creating" not in r.stderr
+    assert any((nv / "luwu_state").iterdir())
+
+
+def test_plan_accepts_what_train_would_create(tmp_path, capsys) -> None:
+    from luwu_rt.cli.main import main
+
+    nv = tmp_path / "not" / "yet"
+    assert main(["plan", "--offload-optimizer", "nvme", "--nvme-dir", str(nv), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] and report["budgets"]["nvme"] > 0
+    assert not nv.exists()  # planning has no side effects; train creates it
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["plan", "--nvme-dir", str(blocker)]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
