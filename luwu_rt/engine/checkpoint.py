@@ -83,7 +83,8 @@ def _io_error(exc: OSError, doing: str, path: Path) -> OSError:
     return OSError(exc.errno, f"{doing} failed: {exc.strerror}", str(path))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes the entries of directory ``path`` (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -175,7 +176,7 @@ class CheckpointWriter:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(self.partial)
+            fsync_dir(self.partial)
         except OSError as exc:
             raise _io_error(exc, "writing the checkpoint manifest", self.partial / MANIFEST) from None
         if self.final.exists():
@@ -187,7 +188,7 @@ class CheckpointWriter:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(self.partial, self.final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return self.final
 
     def abort(self) -> None:

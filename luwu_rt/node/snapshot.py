@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from luwu_rt.engine.checkpoint import fsync_dir
+
 from .protocol import INIT_STATES
 
 __all__ = ["Snapshot", "latest_snapshot", "unit_states", "write_snapshot"]
@@ -47,14 +49,6 @@ class Snapshot:
     def state(self, unit: int, name: str) -> torch.Tensor:
         data = (self.path / f"u{unit}.{name}").read_bytes()
         return torch.frombuffer(bytearray(data), dtype=torch.float32)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_snapshot(root: str | os.PathLike, *, manifest: dict[str, Any], step: int, adam_step: int,
@@ -82,11 +76,11 @@ def write_snapshot(root: str | os.PathLike, *, manifest: dict[str, Any], step: i
         json.dump(meta, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # the same step written again (a node that resumed here): replace it
         shutil.rmtree(final)
     tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for old in sorted(root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
