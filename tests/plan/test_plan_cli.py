@@ -63,7 +63,7 @@ def test_nvme_dir_budget_is_its_free_space(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--device-mem", "lots"], "cannot read size"),
-    (["--nvme-dir", "/nonexistent/luwu"], "is not a directory"),
+    (["--nvme-dir", "/proc/self/status"], "is a file, not a directory"),
     (["--world-size", "2", "--strategy", "local"], "local runs one process"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, argv, message):
