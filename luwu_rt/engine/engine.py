@@ -101,7 +101,7 @@ class Engine:
         self._plan()
         device_arena = self.store.arenas.get("device")
         # [Note: data parallelism in the engine]: gradients in fp32 across ranks, the loss scaled to the global mean.
-        grad_dtype = torch.float32 if self.world.distributed or self.strategy.name == "node" else self.param_dtype
+        grad_dtype = torch.float32 if self.model_spec.grad_bytes == 4 else self.param_dtype  # as the plan sized them
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=grad_dtype,
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
                                                          keep_graph=self.keep_graph),
@@ -231,7 +231,7 @@ class Engine:
 
     def _write_unit(self, unit: int, states: dict[str, torch.Tensor]) -> None:
         """Writes a unit's whole buffers (this rank's part of them, ``_mine``) into the store."""
-        if getattr(self, "node", None) is not None:  # the optimizer states are the node's ([Note: the worker under strategy node])
+        if self.node is not None:  # the optimizer states are the node's ([Note: the worker under strategy node])
             self.node.keep_initial(unit, states)
             states = {"param": states["param"] if "param" in states else states["master"].to(self.param_dtype)}
         if "param" not in states:

@@ -187,7 +187,8 @@ def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: s
                             grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_size, dtype=config.dtype,
                             keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units, device_type=device_type),
                             optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16",
-                            world_size=world_size)
+                            # A node worker's gradients leave the process too (pushed, summed on the node): fp32.
+                            world_size=max(world_size, 2) if config.strategy == "node" else world_size)
 
 
 def device_budget(config: "TrainConfig", *, arena_bytes: int, chain: UnitChain | None = None,
