@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "started on a DIR holding one resumes from it and the workers replay from its step")
     parser.add_argument("--snapshot-every", type=int, default=0, metavar="K",
                         help="snapshot after every K-th step (default 0: never; needs --snapshot-dir)")
+    parser.add_argument("--shard", default="0/1", metavar="I/K",
+                        help="this process is node shard I of K (default 0/1): it keeps 1/K of every unit; start K "
+                             "of them and give the workers all K addresses in shard order (--node A0,A1,...)")
     parser.add_argument("--ready-file", default=None, metavar="FILE",
                         help="write the bound address here once listening (for launchers)")
 
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = NodeConfig(bind=args.bind, num_workers=args.num_workers, host_mem=args.host_mem,
                         nvme_dir=args.nvme_dir, timeout=args.timeout, auth_keys=args.auth_keys,
-                        snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every)
+                        snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every, shard=args.shard)
     service = NodeService(config)
     ready = threading.Event()
     if args.ready_file:

@@ -77,7 +77,10 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> Path:
             if world.rank != 0:
                 writers.append(CheckpointWriter(directory, step=engine.step, partial=partial))
             for name, unit, state, numel in _my_tensors(engine):
-                writers[0].add(name, engine.store.read_state(unit, state, torch.empty(numel, dtype=engine._dtype_of(state))))
+                # Strategy node: the optimizer state is the node's ([Note: between two steps], node/service.py).
+                node = engine.node is not None and state != "param"
+                read = engine.node.read_state if node else engine.store.read_state
+                writers[0].add(name, read(unit, state, torch.empty(numel, dtype=engine._dtype_of(state))))
             interrupt.test_hook("checkpoint", engine.step)
             return writers[0].entries
 

@@ -30,6 +30,8 @@ from .protocol import DTYPE_CODES, MAX_PAYLOAD_BYTES, F, Message, ProtocolError,
 
 __all__ = ["NodeClient", "NodeError", "NodeLost"]
 
+PARAMS = -1
+"""The kind of an expected transfer that is a unit's parameters (else the index of an optimizer state)."""
 HEARTBEAT_S = 1.0
 """How often the client says it is alive, and asks the node to say so."""
 
@@ -83,7 +85,7 @@ class NodeClient:
         self.last_heard = time.monotonic()
         self._welcomed = threading.Event()
         self._acks: dict[tuple[int, int], tuple[_Transfer, set[int]]] = {}
-        self._pulls: dict[tuple[int, int], tuple[_Transfer, list[tuple[int, torch.Tensor]]]] = {}
+        self._pulls: dict[tuple[int, int, int], tuple[_Transfer, list[tuple[int, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -151,13 +153,27 @@ class NodeClient:
         return self.welcome
 
     def push(self, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]):
-        """Sends ``unit``'s fp32 gradient for ``step``: ``pieces`` are ``(byte offset in the unit's buffer,
-        tensor)``, each starting at a chunk boundary. The handle waits for the node's ACKs."""
-        chunks: list[tuple[int, memoryview]] = []
-        for start, tensor in pieces:
-            assert start % self.chunk_bytes == 0, "shards start at chunk boundaries"
+        """Sends ``unit``'s fp32 gradient for ``step``: ``pieces`` are ``(byte offset in the buffer the node
+        keeps of the unit, tensor)``, in order and together the whole buffer. A message chunk within one piece
+        is sent as a view of it; one that spans two (a node shard's slice starts anywhere: [Note: node
+        shards] in shards.py) as a copy of its parts. The handle waits for the node's ACKs."""
+        chunks: list[tuple[int, memoryview | bytes]] = []
+        parts: list[memoryview] = []
+        start = 0
+        for offset, tensor in pieces:
             data = memoryview(tensor.view(torch.uint8).numpy())
-            chunks += [(start + o, data[o : o + self.chunk_bytes]) for o in range(0, len(data), self.chunk_bytes)]
+            assert offset == start, "pieces cover the buffer in order"
+            while len(data):
+                have = sum(len(p) for p in parts)
+                take = min(len(data), self.chunk_bytes - have)
+                parts.append(data[:take])
+                data, start = data[take:], start + take
+                if have + take == self.chunk_bytes:
+                    chunks.append((start - self.chunk_bytes, parts[0] if len(parts) == 1 else b"".join(parts)))
+                    parts = []
+        if parts:
+            n = sum(len(p) for p in parts)
+            chunks.append((start - n, parts[0] if len(parts) == 1 else b"".join(parts)))
         transfer = _Transfer(len(chunks))
         with self._lock:
             self._acks[(step, unit)] = (transfer, {off // self.chunk_bytes for off, _ in chunks})
@@ -170,12 +186,27 @@ class NodeClient:
     def pull(self, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]):
         """Asks for ``unit``'s parameters after ``step``'s update, to be written into ``pieces`` (``(byte
         offset, tensor)``); the handle waits until all of them arrived."""
-        total = sum(t.numel() * t.element_size() for _, t in pieces)
-        transfer = _Transfer(total)
-        with self._lock:
-            self._pulls[(step, unit)] = (transfer, [(o, t.view(torch.uint8)) for o, t in pieces])
+        transfer = self._expect(PARAMS, step, unit, pieces)
         self._send(Message(T.PULL_PARAM, job=self.job, rank=self.rank, step=step, unit=unit, epoch=self.epoch))
         return _Wait(self, transfer, f"worker {self.rank}: pulling unit {unit} after step {step}")
+
+    def read_state(self, step: int, unit: int, index: int, pieces: list[tuple[int, torch.Tensor]]):
+        """Asks for ``unit``'s optimizer state ``INIT_STATES[index]`` after ``step`` (the node's last), for a
+        checkpoint ([Note: between two steps] in service.py); written into ``pieces`` like a pull's."""
+        transfer = self._expect(index, step, unit, pieces)
+        self._send(Message(T.GET_STATE, job=self.job, rank=self.rank, step=step, unit=unit, chunk=index,
+                           epoch=self.epoch))
+        return _Wait(self, transfer, f"worker {self.rank}: reading unit {unit}'s optimizer state after step {step}")
+
+    def begin(self, step: int) -> None:
+        """Tells the node this worker starts ``step`` ([Note: between two steps] in service.py)."""
+        self._send(Message(T.BEGIN, job=self.job, rank=self.rank, step=step, epoch=self.epoch))
+
+    def _expect(self, kind: int, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]) -> _Transfer:
+        transfer = _Transfer(sum(t.numel() * t.element_size() for _, t in pieces))
+        with self._lock:
+            self._pulls[(kind, step, unit)] = (transfer, [(o, t.view(torch.uint8)) for o, t in pieces])
+        return transfer
 
     def close(self, *, bye: bool = True) -> None:
         """Says BYE (the node stops once every worker did) and joins the IO thread."""
@@ -251,7 +282,7 @@ class NodeClient:
                     if not entry[1]:
                         del self._acks[(msg.step, msg.unit)]
                         entry[0].done.set()
-        elif msg.type == T.PARAM:
+        elif msg.type in (T.PARAM, T.STATE):
             self._param(msg)
         elif msg.type == T.STATS:
             stats = json.loads(bytes(msg.payload))
@@ -262,8 +293,9 @@ class NodeClient:
                 done.set()
 
     def _param(self, msg: Message) -> None:
+        key = (PARAMS if msg.type == T.PARAM else msg.chunk, msg.step, msg.unit)
         with self._lock:
-            entry = self._pulls.get((msg.step, msg.unit))
+            entry = self._pulls.get(key)
         if entry is None:
             self.rejects += 1  # an answer to a pull this worker no longer waits for
             return
@@ -277,5 +309,5 @@ class NodeClient:
                 transfer.remaining -= hi - lo
         if transfer.remaining <= 0:
             with self._lock:
-                self._pulls.pop((msg.step, msg.unit), None)
+                self._pulls.pop(key, None)
             transfer.done.set()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from luwu_rt.plan.sizes import parse_size
 
 from .protocol import MAX_PAYLOAD_BYTES
+from .shards import parse_shard
 
 __all__ = ["NodeConfig"]
 
@@ -37,8 +38,13 @@ class NodeConfig:
     started on one that holds a snapshot resumes from it."""
     snapshot_every: int = 0
     """Snapshot after every K-th step (0: never)."""
+    shard: str = "0/1"
+    """``i/k``: this process is node shard i of k, owning 1/k of every unit ([Note: node shards] in shards.py)."""
+    shard_index: int = field(init=False, default=0)
+    num_shards: int = field(init=False, default=1)
 
     def __post_init__(self) -> None:
+        self.shard_index, self.num_shards = parse_shard(self.shard)
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"--num-workers must be a positive integer, got {self.num_workers!r}")
         self.host_mem = parse_size(self.host_mem)

@@ -7,7 +7,8 @@ is ``HEADER`` below, little endian, 56 bytes. ``decode`` checks, in order and
 before it reads a byte of the payload: the frame count, the header's length,
 magic, version, type, dtype and flags, the size cap, that the payload frame is
 exactly ``nbytes`` long and that offset and size are whole elements; only then
-the payload's CRC32. Over CURVE every frame already carries a Poly1305 MAC, so
+the payload's CRC-32C (``_C.crc32c``: the SSE4.2 instruction, twice zlib's
+CRC32 and without the GIL). Over CURVE every frame already carries a Poly1305 MAC, so
 both sides send flag ``UNCHECKED`` and skip the CRC there (two passes over every
 byte: half the throughput, benchmarks/results/2026-12-03-node.md); a receiver
 accepts ``UNCHECKED`` only on an authenticated transport (``trusted``). Anything wrong raises ``ProtocolError`` carrying a short
@@ -35,6 +36,16 @@ Per message type (W: worker -> node, N: node -> worker):
   STATS      N  payload JSON ``{"step": s, "grad_norm": g, "skipped": b}``, to every
                 worker once step s is done: the worker's metrics. The run's last step
                 adds ``"spans"`` (the node's op spans: the node's row in ``--trace``).
+  NORM       node shard -> shard 0 -> every shard: the partial squared gradient norms of
+                ``step`` ([Note: node shards] in shards.py); ``rank`` is the sending shard.
+                A shard sends its float64 partial; shard 0 answers with all k partials,
+                in shard order, once it has them.
+  BEGIN      W  the worker starts ``step``: the node, idle between steps, runs its plan of
+                that step once one worker began it ([Note: between two steps] in service.py).
+  GET_STATE  W  asks for ``unit``'s optimizer state ``chunk`` (index in ``INIT_STATES``)
+                after ``step``, the node's last step: for a checkpoint.
+  STATE      N  those fp32 bytes at ``offset``, ``chunk`` = the state's index; flag
+                ``LAST`` on the final one.
   ERROR      N  payload: a UTF-8 line naming the problem and the fix.
   SNAPSHOT   reserved (snapshots are files: [Note: node snapshots] in snapshot.py).
 """
@@ -42,15 +53,17 @@ Per message type (W: worker -> node, N: node -> worker):
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
+
+from luwu_rt._C import crc32c
 
 __all__ = ["DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError", "T", "VERSION",
            "F", "decode", "encode"]
 
 MAGIC = b"LUWU"
-VERSION = 2
-"""2: STATS, WELCOME with ``adam_step``, heartbeats answered with the node's epoch."""
+VERSION = 3
+"""2: STATS, WELCOME with ``adam_step``, heartbeats answered with the node's epoch. 3: CRC-32C instead of
+zlib's CRC32; NORM between node shards; WELCOME names the node's shard; BEGIN, GET_STATE and STATE."""
 HEADER = struct.Struct("<4sBBHIIIiIQQB3xII")
 """magic, version, type, flags, job, rank, step, unit, chunk, offset, nbytes, dtype, epoch, checksum."""
 MAX_PAYLOAD_BYTES = 16 * 2**20
@@ -60,9 +73,10 @@ MAX_PAYLOAD_BYTES = 16 * 2**20
 class T:
     """Message types."""
 
-    HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT, SNAPSHOT, ERROR, ACK, INIT, STATS = range(1, 12)
+    (HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT, SNAPSHOT, ERROR, ACK, INIT, STATS, NORM, BEGIN,
+     GET_STATE, STATE) = range(1, 16)
     NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT", 7: "SNAPSHOT",
-             8: "ERROR", 9: "ACK", 10: "INIT", 11: "STATS"}
+             8: "ERROR", 9: "ACK", 10: "INIT", 11: "STATS", 12: "NORM", 13: "BEGIN", 14: "GET_STATE", 15: "STATE"}
 
 
 class F:
@@ -76,12 +90,13 @@ class F:
     ALL = DUPLICATE | BYE | LAST | UNCHECKED
 
 
-DTYPES = {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 2), 4: ("json", 1), 5: ("utf8", 1)}
+DTYPES = {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 2), 4: ("json", 1), 5: ("utf8", 1),
+          6: ("float64", 8)}
 """dtype code -> (name, bytes per element)."""
 DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
 INIT_STATES = ("master", "exp_avg", "exp_avg_sq")
 """States worker 0 sends in INIT messages, by index (the header's ``chunk``)."""
-_WITH_PAYLOAD = {T.HELLO, T.WELCOME, T.PUSH_GRAD, T.PARAM, T.ERROR, T.INIT, T.STATS}
+_WITH_PAYLOAD = {T.HELLO, T.WELCOME, T.PUSH_GRAD, T.PARAM, T.ERROR, T.INIT, T.STATS, T.NORM, T.STATE}
 
 
 class ProtocolError(ValueError):
@@ -117,12 +132,12 @@ class Message:
 
 def encode(msg: Message, *, checksum: bool = True) -> list:
     """The frames of ``msg``: ``[header]`` or ``[header, payload]`` (the payload itself, not a copy).
-    ``checksum=False`` (CURVE transports only) sends flag ``UNCHECKED`` instead of the payload's CRC32."""
+    ``checksum=False`` (CURVE transports only) sends flag ``UNCHECKED`` instead of the payload's CRC-32C."""
     payload = msg.payload
     n = memoryview(payload).nbytes
     flags = msg.flags | (0 if checksum else F.UNCHECKED)
     header = HEADER.pack(MAGIC, VERSION, msg.type, flags, msg.job, msg.rank, msg.step, msg.unit, msg.chunk,
-                         msg.offset, n, msg.dtype, msg.epoch, zlib.crc32(payload) if n and checksum else 0)
+                         msg.offset, n, msg.dtype, msg.epoch, crc32c(payload) if n and checksum else 0)
     return [header, payload] if n else [header]
 
 
@@ -162,9 +177,9 @@ def decode(frames: list, *, max_payload: int = MAX_PAYLOAD_BYTES, trusted: bool 
         raise ProtocolError("length", f"payload of {payload.nbytes} bytes, header says {nbytes}")
     if flags & F.UNCHECKED:
         if not trusted:
-            raise ProtocolError("checksum", "a payload without CRC32 on a transport without CURVE")
-    elif nbytes and zlib.crc32(payload) != checksum:
-        raise ProtocolError("checksum", "payload CRC32 does not match the header")
+            raise ProtocolError("checksum", "a payload without CRC-32C on a transport without CURVE")
+    elif nbytes and crc32c(payload) != checksum:
+        raise ProtocolError("checksum", "payload CRC-32C does not match the header")
     return Message(kind, flags & ~F.UNCHECKED, job, rank, step, unit, chunk, offset, dtype, epoch, payload)
 
 

@@ -42,6 +42,7 @@ from luwu_rt.store import TieredStore
 
 from .manifest import model_spec
 from .protocol import INIT_STATES, ProtocolError
+from .shards import slice_of
 
 __all__ = ["NodeRunner", "Pushes", "Served"]
 
@@ -103,7 +104,8 @@ class Pushes:
     def _complete(self, unit: int) -> bool:
         want = self._chunks(unit)
         got = self.got[unit]
-        return len(got) == self.num_workers and all(len(c) == want for c in got.values())
+        # A slice of no elements (a unit smaller than the node shards) is never pushed: complete as it is.
+        return want == 0 or len(got) == self.num_workers and all(len(c) == want for c in got.values())
 
     def take(self, *, step: int, unit: int, out: list[torch.Tensor], timeout_s: float) -> None:
         """Waits until every worker pushed all of ``unit`` for ``step``, then writes their sum (in rank
@@ -118,6 +120,8 @@ class Pushes:
                 self.cond.wait(min(left, 1.0))
             parts, self.parts[unit], self.got[unit] = self.parts[unit], {}, {}
             self.applied[unit] = step
+        if not parts:
+            return
         total = parts[0]
         for r in range(1, self.num_workers):
             total += parts[r]
@@ -175,8 +179,11 @@ class NodeRunner:
     def __init__(self, manifest: dict[str, Any], *, num_workers: int, host_bytes: int, nvme_dir: str | None,
                  timeout_s: float, on_served: Callable[[int, int], None], io_backend: str = "auto",
                  chaos: Chaos | str | None = "env", start_step: int | None = None,
-                 adam_step: int | None = None) -> None:
+                 adam_step: int | None = None, shard_index: int = 0, num_shards: int = 1,
+                 exchange_norms: Callable[[int, float], list[float]] | None = None) -> None:
         # ``start_step``/``adam_step``: where a node resumed from its snapshot; else the manifest's.
+        # ``shard_index``/``num_shards``: the slice of every unit this process owns, and
+        # ``exchange_norms(step, partial)`` every shard's partial norm ([Note: node shards] in shards.py).
         start_step = int(manifest["start_step"]) if start_step is None else start_step
         adam_step = int(manifest["adam_step"]) if adam_step is None else adam_step
         self.manifest = manifest
@@ -189,7 +196,10 @@ class NodeRunner:
         placement = Placement() if nvme_dir else Placement(params="host", optimizer="host", grads="host")
         # Outside the plan but in host memory all the same: the served parameters (two copies) and, at
         # worst, one pending step of every worker's pushes for every unit ([Note: pushes and the node's Recv]).
-        total = sum(u.num_params for u in self.model.units)
+        self.slices = [slice_of(u.num_params, shard_index, num_shards) for u in self.model.units]
+        self.numels = [n for _, n in self.slices]
+        """Elements of each unit this node shard holds, pushed, updated and served."""
+        total = sum(self.numels)
         self.buffer_bytes = total * (2 * self.param_dtype.itemsize + 4 * num_workers)
         if self.buffer_bytes >= host_bytes:
             raise ValueError(f"the node's push and serve buffers alone take {self.buffer_bytes / 2**20:.1f} MiB "
@@ -198,21 +208,24 @@ class NodeRunner:
         host_bytes -= self.buffer_bytes
         result = plan_node_auto(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
                                                             nvme_bytes=nvme_bytes), num_workers=num_workers,
-                                placement=placement)
+                                placement=placement, shard_index=shard_index, num_shards=num_shards)
         validate(result.plan)
         self.plan, self.placement = result.plan, result.placement
         self.store = TieredStore.create(self.plan, device=torch.device("cpu"),
                                         nvme_root=Path(nvme_dir) / "luwu_node" if nvme_dir else None,
                                         io_backend=io_backend)
-        self.numels = [u.num_params for u in self.model.units]
         self.pushes = Pushes(self.numels, num_workers=num_workers, chunk_bytes=self.model.chunk_bytes,
                              applied=start_step)
         self.served = Served([n * self.param_dtype.itemsize for n in self.numels])
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=torch.float32)
         self.norms = NormHandlers(self.plan.shards, grad_dtype=torch.float32)
         self.on_served = on_served
+        self.exchange_norms = exchange_norms
+        if (num_shards > 1) != (exchange_norms is not None):
+            raise ValueError("node shards exchange their norms: exchange_norms is needed exactly when num_shards > 1")
         handlers = {"Recv": self._recv, "Serve": self._serve, "OptimStep": self._optim_step,
-                    "GradNorm": self.norms.grad_norm, "NormReduce": self.norms.norm_reduce}
+                    "GradNorm": self.norms.grad_norm,
+                    "NormReduce": self._norm_across if exchange_norms else self.norms.norm_reduce}
         self.executor = Executor(self.plan, store=self.store, handlers=handlers,
                                  chaos=Chaos.from_env(rank=NODE_CHAOS_RANK) if chaos == "env" else chaos)
         self.step = start_step
@@ -255,6 +268,19 @@ class NodeRunner:
         self.served.publish(op.unit, self.step, self._pieces(views, "param"))
         self.on_served(op.unit, self.step)
         return _Later(lambda: None)
+
+    def _norm_across(self, op, views) -> _Later:
+        """NormReduce over the node shards: this shard's sum, then every shard's partial from shard 0, summed
+        in shard order, so every shard holds the same bits ([Note: node shards] in shards.py)."""
+        step, out = self.step, self.norms.local_sum(op, views)
+        partial = float(out[0])
+
+        def finish() -> None:
+            total = sum(self.exchange_norms(step, partial))
+            out[0] = total
+            self.norms.total_sq = total
+
+        return _Later(finish)
 
     def _optim_step(self, op, views) -> None:
         # As Engine._optim_step: the first update of a step sets the hyper-parameters; with exact

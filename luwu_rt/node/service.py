@@ -10,6 +10,15 @@ runs the steps one after another. ``handle`` is the whole protocol state
 machine and touches no socket: it appends replies to ``_outbox``, which is what
 lets the fuzz test drive it directly.
 
+[Note: between two steps]
+After a step the node's state is that step's, and stays so until the steps
+thread runs the next plan: it waits for the first worker's BEGIN of the next
+step (sent as the worker starts it, so the node's reads ahead still overlap the
+workers' forward), and meanwhile answers GET_STATE - a checkpoint's reads of
+the optimizer state - from the quiet store. Workers checkpoint all together
+between two steps ([Note: checkpoints of several ranks] in engine/checkpoint.py),
+so no BEGIN comes until they are done.
+
 Phases: until every worker said HELLO with one manifest and worker 0 sent the
 initial state (INIT ... LAST) the node only collects; then it WELCOMEs every
 worker and runs steps ``start_step + 1 .. steps``; it exits once the last step
@@ -34,6 +43,7 @@ from .config import NodeConfig
 from .manifest import difference, job_id
 from .protocol import DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode
 from .runner import NodeRunner
+from .shards import NormHub, NormLink, pack_norms, unpack_norms
 from .snapshot import latest_snapshot, unit_states, write_snapshot
 
 HALT_ENV = "LUWU_NODE_TEST_HALT_AFTER"
@@ -72,10 +82,17 @@ class NodeService:
         self._waiting: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
         self._outbox: list[tuple[bytes, list]] = []
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._between: queue.SimpleQueue = queue.SimpleQueue()
+        self._begun = 0
+        """BEGINs and GET_STATEs, for the steps thread between two steps ([Note: between two steps])."""
         self._wake = None
         self._wake_lock = threading.Lock()
         self.address = config.bind
         """Where the node listens (the system's port once bound to ``tcp://HOST:*``)."""
+        self.hub: NormHub | None = None
+        """Shard 0 of several: every shard's partial norms meet here ([Note: node shards] in shards.py)."""
+        self.link: NormLink | None = None
+        """Shard i > 0: its line to shard 0's hub."""
         self.resumed_from: int | None = None
         """The step of the snapshot this node resumed from, if it did ([Note: node snapshots])."""
         self._restore()
@@ -86,16 +103,61 @@ class NodeService:
         snap = latest_snapshot(self.config.snapshot_dir, log=self.log)
         if snap is None:
             return
+        shard = [self.config.shard_index, self.config.num_shards]
+        if snap.meta.get("shard", [0, 1]) != shard:
+            raise ValueError(f"--snapshot-dir {self.config.snapshot_dir} holds node shard "
+                             f"{'/'.join(map(str, snap.meta.get('shard', [0, 1])))}'s snapshot, this is shard "
+                             f"{self.config.shard}: give each shard its own snapshot directory")
         self.manifest, self.job = snap.manifest, job_id(snap.manifest)
-        self.runner = NodeRunner(self.manifest, num_workers=self.config.num_workers, host_bytes=self.config.host_mem,
-                                 nvme_dir=self.config.nvme_dir, timeout_s=self.config.timeout,
-                                 on_served=self._served, io_backend=self.config.io_backend, chaos=self.chaos,
-                                 start_step=snap.step, adam_step=snap.adam_step)
+        self.runner = self._make_runner(start_step=snap.step, adam_step=snap.adam_step)
         for unit, state in unit_states(self.runner.numels):
             self.runner.write_initial(unit, state, snap.state(unit, state))
         self._init_done = True
         self.resumed_from = snap.step
         self.log(f"resumed run {self.job:08x} from {snap.path} (step {snap.step}); waiting for the workers to replay")
+
+    def _make_runner(self, **resume) -> NodeRunner:
+        """The runner of this node's shard of the run in ``self.manifest``; with several shards, also the
+        norm exchange ([Note: node shards] in shards.py)."""
+        c = self.config
+        exchange = None
+        if c.num_shards > 1 and c.shard_index == 0:
+            self.hub = NormHub(c.num_shards, timeout_s=c.timeout, on_complete=self._norms_known)
+            exchange = self.hub.exchange
+        elif c.num_shards > 1:
+            curve = None
+            if c.auth_keys:
+                from .auth import server_keys
+
+                public, secret, _ = server_keys(c.auth_keys)
+                curve = (public, secret, public)  # shard 0 has the same key pair ([Note: node keys] in auth.py)
+            self.link = NormLink(self.manifest["nodes"][0], shard=c.shard_index, count=c.num_shards, job=self.job,
+                                 timeout_s=c.timeout, curve=curve)
+            exchange = self.link.exchange
+        return NodeRunner(self.manifest, num_workers=c.num_workers, host_bytes=c.host_mem, nvme_dir=c.nvme_dir,
+                          timeout_s=c.timeout, on_served=self._served, io_backend=c.io_backend, chaos=self.chaos,
+                          shard_index=c.shard_index, num_shards=c.num_shards, exchange_norms=exchange, **resume)
+
+    def _norms_known(self, step: int) -> None:
+        """Shard 0's hub has every shard's norm of ``step`` (any thread): the loop answers the shards."""
+        self._events.put(("norm", step, b""))
+        self._notify()
+
+    def _norm(self, identity: bytes, msg: Message) -> None:
+        """A node shard's partial norm ([Note: node shards] in shards.py); only shard 0 takes them."""
+        if self.hub is None:
+            raise ProtocolError("type", "NORM to a node that is not shard 0 of several")
+        if msg.job != self.job:
+            raise ProtocolError("job", "NORM of another run")
+        if msg.dtype != DTYPE_CODES["float64"] or msg.rank == 0:
+            raise ProtocolError("norm", "a NORM carries one float64 from shard 1..k-1")
+        (value,) = unpack_norms(msg.payload, 1)
+        self.hub.offer(msg.step, msg.rank, value, identity)
+
+    def answer_norms(self, step: int) -> None:
+        for identity, parts in self.hub.replies(step):
+            self._reply(identity, Message(T.NORM, job=self.job, step=step, dtype=DTYPE_CODES["float64"],
+                                          payload=pack_norms(parts)))
 
     # -- the protocol ([Note: the node protocol] in protocol.py) ------------------------------------
 
@@ -105,6 +167,9 @@ class NodeService:
             msg = decode(frames, max_payload=self.config.max_message_bytes, trusted=bool(self.config.auth_keys))
             if msg.type == T.HELLO:
                 self._hello(identity, msg)
+                return
+            if msg.type == T.NORM:  # from another node shard, not a worker
+                self._norm(identity, msg)
                 return
             rank = self.peers.get(identity)
             if rank is None and msg.type == T.HEARTBEAT:
@@ -128,8 +193,15 @@ class NodeService:
                 raise ProtocolError("epoch", "message for an earlier incarnation of the node")
             elif msg.type == T.PUSH_GRAD:
                 self._push(identity, msg)
+                self._began(msg.step)  # a push of a step is its BEGIN too
             elif msg.type == T.PULL_PARAM:
                 self._pull(identity, msg)
+            elif msg.type == T.BEGIN:
+                self._began(msg.step)
+            elif msg.type == T.GET_STATE:
+                if not (0 <= msg.unit < len(self.runner.numels) and 0 <= msg.chunk < len(INIT_STATES)):
+                    raise ProtocolError("range", f"GET_STATE of unit {msg.unit} state {msg.chunk}")
+                self._between.put(("state", identity, msg))
             else:
                 raise ProtocolError("type", f"a node does not accept {msg.name}")
         except ProtocolError as exc:
@@ -158,6 +230,13 @@ class NodeService:
                                    f"snapshot of it: start the node with the --snapshot-dir it snapshotted into, "
                                    f"or restart the workers too")
             return
+        shards = manifest.get("nodes", [None])
+        if len(shards) != self.config.num_shards:
+            self.rejects["hello"] += 1
+            self._refuse(identity, f"worker {msg.rank} names {len(shards)} node address(es) in --node, but this node "
+                                   f"is shard {self.config.shard} of {self.config.num_shards}: list every node shard's "
+                                   f"address, in shard order")
+            return
         if num_workers != self.config.num_workers or not 0 <= msg.rank < num_workers:
             self.rejects["hello"] += 1
             self._refuse(identity, f"worker rank {msg.rank} of {num_workers} workers, but this node serves "
@@ -178,10 +257,7 @@ class NodeService:
         self.peers[identity], self.hellos[msg.rank] = msg.rank, identity
         if self.runner is None:
             try:
-                self.runner = NodeRunner(self.manifest, num_workers=self.config.num_workers,
-                                         host_bytes=self.config.host_mem, nvme_dir=self.config.nvme_dir,
-                                         timeout_s=self.config.timeout, on_served=self._served,
-                                         io_backend=self.config.io_backend, chaos=self.chaos)
+                self.runner = self._make_runner()
             except ValueError as exc:  # the run does not fit this node: every worker hears why
                 self.manifest, self.job = None, 0
                 self.peers.pop(identity, None)
@@ -232,8 +308,8 @@ class NodeService:
             threading.Thread(target=self._steps, name="luwu-node-steps", daemon=True).start()
 
     def _welcome(self, identity: bytes) -> None:
-        payload = json.dumps({"step": self.runner.step, "adam_step": self.runner.adam_step,
-                              "epoch": self.epoch}).encode()
+        payload = json.dumps({"step": self.runner.step, "adam_step": self.runner.adam_step, "epoch": self.epoch,
+                              "shard": [self.config.shard_index, self.config.num_shards]}).encode()
         self._reply(identity, Message(T.WELCOME, job=self.job, epoch=self.epoch, dtype=DTYPE_CODES["json"],
                                       payload=payload))
 
@@ -264,17 +340,62 @@ class NodeService:
         buf = runner.served.get(unit, step)
         if buf is None:
             return False
-        chunk = runner.model.chunk_bytes
         dtype = DTYPE_CODES[{"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[runner.manifest["dtype"]]]
         # A view of the served buffer, sent without a copy: it is rewritten two steps later at the
         # earliest, after every worker received it ([Note: double-buffered parameters] in runner.py).
-        data = memoryview(buf.numpy())
-        for i, offset in enumerate(range(0, len(data), chunk)):
-            last = offset + chunk >= len(data)
-            self._reply(identity, Message(T.PARAM, flags=F.LAST if last else 0, job=self.job, rank=rank, step=step,
-                                          unit=unit, chunk=i, offset=offset, dtype=dtype, epoch=self.epoch,
-                                          payload=data[offset : offset + chunk]))
+        self._send_chunks(identity, T.PARAM, buf, dtype=dtype, rank=rank, step=step, unit=unit)
         return True
+
+    def _send_chunks(self, identity: bytes, kind: int, buf: torch.Tensor, *, index: int | None = None,
+                     **fields) -> None:
+        """``buf``'s bytes as messages of at most one chunk each, ``LAST`` on the final one; ``chunk`` is
+        the message's index, or ``index`` (a state's, for STATE)."""
+        step = self.runner.model.chunk_bytes
+        data = memoryview(buf.view(torch.uint8).numpy())
+        for i, offset in enumerate(range(0, len(data), step)):
+            last = offset + step >= len(data)
+            self._reply(identity, Message(kind, flags=F.LAST if last else 0, job=self.job, epoch=self.epoch,
+                                          chunk=i if index is None else index, offset=offset,
+                                          payload=data[offset : offset + step], **fields))
+
+    # -- between two steps ------------------------------------------------------------------------
+
+    def _began(self, step: int) -> None:
+        if step > self._begun:  # the first word of a step wakes the steps thread; later ones need not
+            self._begun = step
+            self._between.put(("begin", step))
+
+    def _await_begin(self, step: int) -> None:
+        """[Note: between two steps]: serves the GET_STATEs of a checkpoint until a worker BEGINs ``step``."""
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            try:
+                item = self._between.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"optimizer node: no worker began step {step} within {self.config.timeout:g}s "
+                                       f"after step {step - 1}; the workers died or hung - see their logs, or raise "
+                                       f"--timeout") from None
+                continue
+            if item[0] == "begin":
+                if item[1] == step:
+                    return
+                continue  # another worker's BEGIN of a step that already ran
+            _, identity, msg = item
+            self._read_state(identity, msg)
+            deadline = time.monotonic() + self.config.timeout
+
+    def _read_state(self, identity: bytes, msg: Message) -> None:
+        runner = self.runner
+        if msg.step != runner.step:
+            self.rejects["stale"] += 1
+            self._events.put(("error", identity, f"worker {msg.rank} asked for the optimizer state after step "
+                                                 f"{msg.step}, but this node's last step is {runner.step}"))
+        else:
+            values = runner.store.read_state(msg.unit, INIT_STATES[msg.chunk],
+                                             torch.empty(runner.numels[msg.unit], dtype=torch.float32))
+            self._events.put(("state", identity, (msg, values)))
+        self._notify()
 
     def _served(self, unit: int, step: int) -> None:
         """Called by the plan's Serve (an executor thread): the loop answers the waiting pulls."""
@@ -289,6 +410,7 @@ class NodeService:
         runner = self.runner
         try:
             while runner.step < int(self.manifest["steps"]):
+                self._await_begin(runner.step + 1)
                 m = runner.run_step()
                 stats = {"step": m["step"], "grad_norm": m["grad_norm"], "skipped": m["skipped"]}
                 if m["step"] == int(self.manifest["steps"]):  # the run's last: for the workers' --trace
@@ -316,7 +438,8 @@ class NodeService:
             return
         start = time.perf_counter()
         path = write_snapshot(self.config.snapshot_dir, manifest=self.manifest, step=runner.step,
-                              adam_step=runner.adam_step, states=runner.read_states())
+                              adam_step=runner.adam_step, states=runner.read_states(),
+                              shard=[self.config.shard_index, self.config.num_shards])
         runner.metrics["snapshot_s"] = time.perf_counter() - start
         self.log(f"snapshot {path} in {runner.metrics['snapshot_s'] * 1e3:.0f} ms")
 
@@ -350,7 +473,8 @@ class NodeService:
         public, secret, clients = server_keys(self.config.auth_keys)
         authenticator = ThreadAuthenticator(ctx)
         authenticator.start()
-        authenticator.configure_curve(domain="*", location=str(clients))
+        # The workers' keys, and the node's own: other node shards connect with it ([Note: node shards]).
+        authenticator.configure_curve_callback(domain="*", credentials_provider=_Allowed(clients, public))
         router.curve_server = True
         router.curve_publickey, router.curve_secretkey = public, secret
         monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -414,6 +538,14 @@ class NodeService:
                     kind, a, b = self._events.get()
                     if kind == "served":
                         self.answer_served(a, b)
+                    elif kind == "norm":
+                        self.answer_norms(a)
+                    elif kind == "state":
+                        msg, values = b
+                        self._send_chunks(a, T.STATE, values, index=msg.chunk, rank=msg.rank, step=msg.step,
+                                          unit=msg.unit, dtype=DTYPE_CODES["float32"])
+                    elif kind == "error":
+                        self._refuse(a, b)
                     else:
                         self._send_stats(b)
                 outbox, self._outbox = self._outbox, []
@@ -440,6 +572,8 @@ class NodeService:
                 self._wake = None
             if self.runner is not None:
                 self.runner.close()
+            if self.link is not None:
+                self.link.close()
             inbox.close(0)
             if monitor is not None:
                 router.disable_monitor()
@@ -448,3 +582,15 @@ class NodeService:
                 authenticator.stop()
             router.close()
             ctx.term()
+
+
+class _Allowed:
+    """ZAP credentials: the public keys in the allow-list directory, read at start, and the node's own."""
+
+    def __init__(self, clients, node_public: bytes) -> None:
+        import zmq.auth
+
+        self.keys = set(zmq.auth.load_certificates(str(clients))) | {node_public}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys

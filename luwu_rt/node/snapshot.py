@@ -52,9 +52,10 @@ class Snapshot:
 
 
 def write_snapshot(root: str | os.PathLike, *, manifest: dict[str, Any], step: int, adam_step: int,
-                   states: dict[tuple[int, str], torch.Tensor], keep: int = 1) -> Path:
+                   states: dict[tuple[int, str], torch.Tensor], keep: int = 1, shard: list[int] | None = None) -> Path:
     """Writes ``states`` ((unit, state) -> fp32 values) as ``root/step_<step>`` atomically; keeps the
-    newest ``keep`` snapshots. Returns the snapshot's path."""
+    newest ``keep`` snapshots. ``shard``: ``[i, k]`` of a node shard, its slices ([Note: node shards]).
+    Returns the snapshot's path."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
@@ -71,7 +72,7 @@ def write_snapshot(root: str | os.PathLike, *, manifest: dict[str, Any], step: i
             os.fsync(f.fileno())
         files[fname] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     meta = {"snapshot_version": SNAPSHOT_VERSION, "manifest": manifest, "step": step, "adam_step": adam_step,
-            "files": files}
+            "shard": shard or [0, 1], "files": files}
     with open(tmp / "meta.json", "w") as f:
         json.dump(meta, f)
         f.flush()

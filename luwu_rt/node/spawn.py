@@ -1,4 +1,4 @@
-"""``luwu train --spawn-node``: a local optimizer node for the run, stopped when the run ends or fails."""
+"""``luwu train --spawn-node``: local optimizer node processes for the run, stopped when the run ends or fails."""
 
 from __future__ import annotations
 
@@ -14,34 +14,44 @@ __all__ = ["spawned_node"]
 
 
 @contextmanager
-def spawned_node(*, num_workers: int, host_mem: str = "1GiB", timeout_s: float = 300.0,
+def spawned_node(*, num_workers: int, host_mem: str = "1GiB", timeout_s: float = 300.0, num_shards: int = 1,
                  start_timeout_s: float = 120.0) -> Iterator[str]:
-    """Starts ``luwu node serve`` on a free loopback port and yields its address; on leaving, the node
-    gets ``timeout_s`` to finish (it exits by itself once every worker said BYE), then is terminated."""
+    """Starts ``num_shards`` ``luwu node serve`` processes (node shards, [Note: node shards] in shards.py) on
+    free loopback ports and yields their addresses as ``--node`` takes them (comma-separated, in shard
+    order); on leaving, the nodes get ``timeout_s`` to finish (each exits by itself once every worker said
+    BYE), then are terminated."""
     with tempfile.TemporaryDirectory(prefix="luwu-node-") as tmp:
-        ready = os.path.join(tmp, "address")
-        proc = subprocess.Popen([sys.executable, "-m", "luwu_rt", "node", "serve", "--bind", "tcp://127.0.0.1:*",
-                                 "--num-workers", str(num_workers), "--host-mem", host_mem,
-                                 "--timeout", str(timeout_s), "--ready-file", ready])
+        ready = [os.path.join(tmp, f"address-{i}") for i in range(num_shards)]
+        procs = [subprocess.Popen([sys.executable, "-m", "luwu_rt", "node", "serve", "--bind", "tcp://127.0.0.1:*",
+                                   "--num-workers", str(num_workers), "--host-mem", host_mem,
+                                   "--timeout", str(timeout_s), "--shard", f"{i}/{num_shards}",
+                                   "--ready-file", ready[i]]) for i in range(num_shards)]
         try:
             deadline = time.monotonic() + start_timeout_s
-            while not os.path.exists(ready):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the optimizer node exited with status {proc.returncode} before it listened "
-                                       f"(see its output above)")
+            while not all(os.path.exists(r) for r in ready):
+                for proc in procs:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"an optimizer node exited with status {proc.returncode} before it "
+                                           f"listened (see its output above)")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the optimizer node did not listen within {start_timeout_s:g}s")
                 time.sleep(0.05)
-            with open(ready) as f:
-                address = f.read().strip()
-            yield address
-            try:
-                proc.wait(timeout=min(timeout_s, 30.0))
-            except subprocess.TimeoutExpired:
-                pass
+            addresses = []
+            for r in ready:
+                with open(r) as f:
+                    addresses.append(f.read().strip())
+            yield ",".join(addresses)
+            end = time.monotonic() + min(timeout_s, 30.0)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
-            if proc.poll() is None:
-                proc.terminate()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in procs:
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:

@@ -40,6 +40,7 @@ import torch
 
 from .client import NodeClient, NodeError, NodeLost
 from .protocol import INIT_STATES
+from .shards import slice_of
 
 __all__ = ["NodeWorker", "WORKER_STATES"]
 
@@ -53,7 +54,15 @@ class NodeWorker:
     def __init__(self, engine: Any, *, address: str) -> None:
         self.engine = engine
         self.address = address
-        self.client: NodeClient | None = None
+        self.addresses = [a.strip() for a in address.split(",")]
+        """One per node shard, in shard order ([Note: node shards] in shards.py)."""
+        if not all(self.addresses):
+            raise ValueError(f"--node {address!r}: give the node shards' addresses separated by commas, in shard "
+                             f"order, e.g. tcp://127.0.0.1:5555,tcp://127.0.0.1:5556")
+        self.clients: list[NodeClient] = []
+        self.slices = [[slice_of(u.num_params, j, len(self.addresses)) for j in range(len(self.addresses))]
+                       for u in engine.model_spec.units]
+        """unit -> shard -> (first element, elements) that shard keeps."""
         self.step = 0
         self._initial: dict[int, dict[str, torch.Tensor]] = {}
         self._manifest: dict[str, Any] | None = None
@@ -64,8 +73,9 @@ class NodeWorker:
         """Steps run again after the node restarted ([Note: a node that restarts])."""
         self.rejoins = 0
         self.node_spans: list = []
-        """The node's op spans of the run's last step: its own process row in ``--trace``."""
-        """Times this worker reconnected to a restarted node."""
+        """The node's op spans of the run's last step: its own process row in ``--trace`` (shard 0's)."""
+        self.shard_spans: list[list] = []
+        """Every node shard's spans of the last step, in shard order."""
 
     def keep_initial(self, unit: int, states: dict[str, torch.Tensor]) -> None:
         """The optimizer states of a unit that the engine wrote: worker 0 keeps them for the node."""
@@ -76,28 +86,65 @@ class NodeWorker:
         """[Note: the manifest] in manifest.py."""
         e, c = self.engine, self.engine.config
         m = e.model_spec
-        return {"model": {"units": [{"name": u.name, "num_params": u.num_params, "reads": list(u.reads)} for u in m.units],
+        # Several shards: the addresses tell shard i > 0 where shard 0 takes the norms ([Note: node shards]).
+        nodes = {"nodes": self.addresses} if len(self.addresses) > 1 else {}
+        return {**nodes, "model": {"units": [{"name": u.name, "num_params": u.num_params, "reads": list(u.reads)} for u in m.units],
                           "param_bytes": m.param_bytes, "chunk_bytes": m.chunk_bytes,
                           "max_shards_per_state": m.max_shards_per_state,
                           "optimizer_waits_for_backward": m.optimizer_waits_for_backward},
                 "optim": dataclasses.asdict(c.optim), "steps": c.steps, "dtype": c.dtype, "loss_scale": e.loss_scale,
                 "num_workers": e.world.size, "start_step": e.step, "adam_step": e.adam_step}
 
+    @property
+    def client(self) -> NodeClient | None:
+        """The link to the (first) node shard."""
+        return self.clients[0] if self.clients else None
+
+    def _client(self, address: str) -> NodeClient:
+        e = self.engine
+        return NodeClient(address, rank=e.world.rank, timeout_s=e.config.timeout,
+                          chunk_bytes=e.model_spec.chunk_bytes, node_key=e.config.node_key)
+
     def begin(self, step: int) -> None:
-        """Before running the plan of ``step``: joins the node on the first one."""
-        if self.client is None:
+        """Before running the plan of ``step``: joins the node shards on the first one (one after another:
+        a shard welcomes once every worker joined it)."""
+        if not self.clients:
             e = self.engine
-            self.client = NodeClient(self.address, rank=e.world.rank, timeout_s=e.config.timeout,
-                                     chunk_bytes=e.model_spec.chunk_bytes, node_key=e.config.node_key)
-            initial = ((u, INIT_STATES.index(s), v) for u, states in sorted(self._initial.items())
-                       for s, v in states.items())
             self._manifest = self.manifest()
-            welcome = self.client.connect(self._manifest, initial)
+            count = len(self.addresses)
+            for j, address in enumerate(self.addresses):
+                self.clients.append(self._client(address))
+                initial = ((u, INIT_STATES.index(s), v[slice(*self._range(u, j))])
+                           for u, states in sorted(self._initial.items()) for s, v in states.items()
+                           if self.slices[u][j][1])
+                welcome = self.clients[j].connect(self._manifest, initial)
+                if welcome.get("shard", [0, 1]) != [j, count]:
+                    raise NodeError(f"--node lists {address} as node shard {j} of {count}, but it serves shard "
+                                    f"{'/'.join(map(str, welcome.get('shard', [0, 1])))}: list the addresses in "
+                                    f"shard order")
+                if welcome["step"] != e.step:
+                    raise RuntimeError(f"the optimizer node at {address} is at step {welcome['step']}, this worker "
+                                       f"at step {e.step}: resume the workers from the node's step")
             self._initial.clear()
-            if welcome["step"] != e.step:
-                raise RuntimeError(f"the optimizer node at {self.address} is at step {welcome['step']}, this worker "
-                                   f"at step {e.step}: resume the workers from the node's step")
         self.step = step
+        for c in self.clients:
+            c.begin(step)
+
+    def read_state(self, unit: int, state: str, out: torch.Tensor) -> torch.Tensor:
+        """``unit``'s fp32 optimizer ``state`` after the last step, from the node shards (a checkpoint's)."""
+        raw = out.view(torch.uint8)
+        index = INIT_STATES.index(state)
+        waits = []
+        for j, c in enumerate(self.clients):
+            lo, hi = (x * 4 for x in self._range(unit, j))
+            if hi > lo:
+                waits.append(c.read_state(self.engine.step, unit, index, [(0, raw[lo:hi])]))
+        _All(waits).wait()
+        return out
+
+    def _range(self, unit: int, shard: int) -> tuple[int, int]:
+        start, n = self.slices[unit][shard]
+        return start, start + n
 
     def train_step(self, step_fn: Callable[[Any], dict[str, float]], batch: Any) -> dict[str, float]:
         """``step_fn(batch)`` (the engine's step), rejoining a restarted node and replaying the steps it
@@ -121,11 +168,12 @@ class NodeWorker:
     def finish_step(self, loss_part: float) -> float:
         """After the plan of a step: the node's STATS (the grad norm) and the loss all-reduce with the
         "lost" flag; raises ``NodeLost`` on every worker if any lost the node."""
-        lost = None
+        lost, every = None, []
         try:
-            stats = self.client.stats(self.step)
+            every = [c.stats(self.step) for c in self.clients]
         except NodeLost as exc:
             lost = exc
+        stats = every[0] if every else None
         loss, flags = self.engine.world.all_reduce([loss_part, float(lost is not None)])
         if flags:
             err = lost or NodeLost(f"worker {self.engine.world.rank}: another worker lost the optimizer node")
@@ -135,7 +183,8 @@ class NodeWorker:
         if "spans" in stats:
             from luwu_rt.exec import Span
 
-            self.node_spans = [Span(*x) for x in stats["spans"]]
+            self.shard_spans = [[Span(*x) for x in st.get("spans", ())] for st in every]
+            self.node_spans = self.shard_spans[0]
         if stats["skipped"]:  # the node skipped the update (a non-finite norm): so does the worker's count
             self.engine._skip = True
             self.engine.adam_step -= 1
@@ -144,9 +193,11 @@ class NodeWorker:
     def _rejoin(self, target: int) -> None:
         """A new connection to the restarted node; the store gets the parameters of the node's step."""
         e = self.engine
-        self.client.close(bye=False)
-        self.client = NodeClient(self.address, rank=e.world.rank, timeout_s=e.config.timeout,
-                                 chunk_bytes=e.model_spec.chunk_bytes, node_key=e.config.node_key)
+        if len(self.clients) > 1:
+            raise NodeError(f"worker {e.world.rank}: a node shard restarted; rejoining several node shards is not "
+                            f"built yet (only a single node resumes from its snapshot): restart the run")
+        self.clients[0].close(bye=False)
+        self.clients[0] = self._client(self.address)
         welcome = self.client.connect(self._manifest, None, step=target)
         step = int(welcome["step"])
         if step >= target:
@@ -162,21 +213,42 @@ class NodeWorker:
         e.step, e.adam_step = step, int(welcome["adam_step"])
         self.rejoins += 1
 
-    def _pieces(self, views, state: str, dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
+    def _pieces(self, views, unit: int, state: str, dtype: torch.dtype) -> list[list[tuple[int, torch.Tensor]]]:
+        """Per node shard, the bytes of the unit's ``state`` in the store that the shard keeps: ``(byte offset
+        in the shard's slice, uint8 view)``, in order."""
         shards, offsets = self.engine.plan.shards, self.engine.store.offsets
         ids = sorted((s for s in views if s.state == state), key=lambda s: s.chunk)
-        return [(offsets[s] * dtype.itemsize, views[s].view(dtype)[: shards[s].numel]) for s in ids]
+        whole = [(offsets[s] * dtype.itemsize, views[s].view(dtype)[: shards[s].numel].view(torch.uint8)) for s in ids]
+        out = []
+        for j in range(len(self.clients)):
+            lo, hi = (x * dtype.itemsize for x in self._range(unit, j))
+            out.append([(max(o, lo) - lo, t[max(o, lo) - o : min(o + t.numel(), hi) - o])
+                        for o, t in whole if max(o, lo) < min(o + t.numel(), hi)])
+        return out
 
     def _push(self, op, views):
-        return self.client.push(self.step, op.unit, self._pieces(views, "grad", torch.float32))
+        return _All([c.push(self.step, op.unit, p) for c, p in
+                     zip(self.clients, self._pieces(views, op.unit, "grad", torch.float32)) if p])
 
     def _pull(self, op, views):
-        return self.client.pull(self.step, op.unit, self._pieces(views, "param", self.engine.param_dtype))
+        return _All([c.pull(self.step, op.unit, p) for c, p in
+                     zip(self.clients, self._pieces(views, op.unit, "param", self.engine.param_dtype)) if p])
 
     def handlers(self) -> dict:
         return {"Push": self._push, "Pull": self._pull}
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        for c in self.clients:
+            c.close()
+        self.clients = []
+
+
+class _All:
+    """The handle of one transfer split over the node shards: waits for every part."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()

@@ -135,7 +135,7 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
 
 
 def plan_node_auto(model: ModelSpec, *, budgets: Budgets, num_workers: int, placement: Placement = Placement(),
-                   num_shards: int = 1, profile: HardwareProfile = HardwareProfile(),
+                   num_shards: int = 1, shard_index: int = 0, profile: HardwareProfile = HardwareProfile(),
                    policy: str = "belady") -> PlanResult:
     """Plan one optimizer node process's step (``node.plan_node``), resolving ``auto`` fields of ``placement``
     to host or NVMe: the candidate with the shortest step of the node on its own wins.
@@ -149,7 +149,7 @@ def plan_node_auto(model: ModelSpec, *, budgets: Budgets, num_workers: int, plac
     best = _fastest(candidates, budgets=budgets, profile=profile, errors=errors,
                     bounds=lambda c: node_lower_bounds(model, placement=c, num_shards=num_shards),
                     plan=lambda c: plan_node(model, budgets=budgets, placement=c, num_workers=num_workers,
-                                             num_shards=num_shards, policy=policy))
+                                             shard_index=shard_index, num_shards=num_shards, policy=policy))
     if best is not None:
         return best
     bounds = {c: node_lower_bounds(model, placement=c, num_shards=num_shards) for c in candidates}

@@ -29,17 +29,37 @@ def train(rank: int, runs: list[tuple[str, dict, str]]) -> dict[str, list[float]
     return out
 
 
-def train_metrics(rank: int, runs: list[tuple[str, dict]]) -> dict[str, dict[str, Any]]:
-    """Each run ``(key, overrides)`` for ``STEPS`` steps without chaos: its losses, grad norms and the
+def train_metrics(rank: int, runs: list[tuple[str, dict, str]]) -> dict[str, dict[str, Any]]:
+    """Each run ``(key, overrides, chaos seed or "")`` for ``STEPS`` steps: its losses, grad norms and the
     steps the worker replayed after its node restarted."""
     from luwu_rt.engine import Engine
     from luwu_rt.exec.chaos import CHAOS_ENV
 
-    os.environ[CHAOS_ENV] = ""
     out = {}
-    for key, overrides in runs:
+    for key, overrides, chaos in runs:
+        os.environ[CHAOS_ENV] = chaos  # read when the engine's executors are made
         with Engine(None, config(**overrides)) as engine:
             metrics = [engine.train_step() for _ in range(STEPS)]
             out[key] = {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
                         "replayed": engine.node.replayed, "rejoins": engine.node.rejoins}
     return out
+
+
+def save_then_resume(rank: int, first: str, second: str, directory: str) -> dict[str, Any]:
+    """Trains ``STEPS`` steps against the node at ``first``, checkpointing at step ``SAVE_AT``; then resumes
+    that checkpoint against the (fresh) node at ``second`` to ``STEPS``: both runs' losses."""
+    from rank_jobs import SAVE_AT
+
+    from luwu_rt.engine import Engine
+    from luwu_rt.exec.chaos import CHAOS_ENV
+
+    os.environ[CHAOS_ENV] = ""
+    with Engine(None, config(strategy="node", node=first)) as engine:
+        losses = []
+        for _ in range(STEPS):
+            losses.append(engine.train_step()["loss"])
+            if engine.step == SAVE_AT:
+                path = engine.save(directory)
+    with Engine.load(path, overrides={"strategy": "node", "node": second}) as engine:
+        resumed = [engine.train_step()["loss"] for _ in range(engine.step, STEPS)]
+    return {"losses": losses, "resumed": resumed, "path": str(path)}

@@ -1,6 +1,6 @@
 """Three workers, and node snapshots: a node process killed with SIGKILL mid-run and restarted on the same
-snapshot directory resumes there, the workers rejoin and replay, and the run ends with the losses of an
-uninterrupted node run bit for bit; that run's losses and the grad norms the workers report (the node's)
+snapshot directory resumes there (that run in the chaos mode, workers and node), the workers rejoin and
+replay, and the run ends with the losses of an uninterrupted node run bit for bit; that run's losses and the grad norms the workers report (the node's)
 equal the single-process run's on the global batch within 1e-5 relative. One set of worker processes
 serves both runs: process start-up is most of this test's time."""
 
@@ -46,10 +46,12 @@ def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
     ports = {"plain": free_port(), "killed": free_port()}
     logs = {k: tmp_path / f"{k}.log" for k in ports}
     plain = _node(ports["plain"], tmp_path / "plain", logs["plain"])
-    first = _node(ports["killed"], tmp_path / "killed", logs["killed"], **{HALT_ENV: str(HALT_AFTER)})
+    # The killed run runs in the chaos mode (workers and node), the plain one without: equal all the same.
+    first = _node(ports["killed"], tmp_path / "killed", logs["killed"], **{HALT_ENV: str(HALT_AFTER), CHAOS_ENV: "41"})
     procs = [plain, first]
     try:
-        runs = [(k, {"strategy": "node", "node": f"tcp://127.0.0.1:{p}", "timeout": 60}) for k, p in ports.items()]
+        runs = [(k, {"strategy": "node", "node": f"tcp://127.0.0.1:{p}", "timeout": 60}, "43" if k == "killed" else "")
+                for k, p in ports.items()]
         results: list = []
         workers = threading.Thread(target=lambda: results.append(run_ranks(node_jobs.train_metrics, WORKERS, runs)),
                                    daemon=True)
@@ -58,7 +60,7 @@ def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
         first.send_signal(signal.SIGKILL)
         first.wait()
         assert latest_snapshot(tmp_path / "killed").step == 4
-        second = _node(ports["killed"], tmp_path / "killed", logs["killed"].with_suffix(".2.log"))
+        second = _node(ports["killed"], tmp_path / "killed", logs["killed"].with_suffix(".2.log"), **{CHAOS_ENV: "47"})
         procs.append(second)
         workers.join(240)
         assert results, "the workers did not finish"

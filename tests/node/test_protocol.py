@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import random
-import zlib
 
 import pytest
 import torch
 
+from luwu_rt._C import crc32c
 from luwu_rt.node.manifest import difference, job_id, manifest_bytes
 from luwu_rt.node.protocol import (DTYPE_CODES, HEADER, MAGIC, MAX_PAYLOAD_BYTES, VERSION, F, Message, ProtocolError,
                                    T, decode, encode)
@@ -43,7 +43,7 @@ def test_encode_decode_round_trip() -> None:
 
 def _header(**f) -> bytes:
     v = dict(magic=MAGIC, version=VERSION, type=T.PUSH_GRAD, flags=0, job=0, rank=0, step=1, unit=0, chunk=0,
-             offset=0, nbytes=8, dtype=1, epoch=0, checksum=zlib.crc32(b"\0" * 8))
+             offset=0, nbytes=8, dtype=1, epoch=0, checksum=crc32c(b"\0" * 8))
     v.update(f)
     return HEADER.pack(*v.values())
 
@@ -90,8 +90,8 @@ def _state(service: NodeService):
 
 
 def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
+    if isinstance(a, torch.Tensor):  # bit for bit: a receive buffer's unwritten bytes may hold NaN patterns
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
