@@ -6,7 +6,7 @@ the worker pushes ``--mib`` MiB in chunks of ``--chunk`` and pulls the same amou
   raw       multipart ``[payload]``; the server copies each push into its buffer and answers a 1-byte ack,
             and answers each pull request with a chunk of its buffer;
   protocol  the same through ``luwu_rt.node.protocol``: every message encoded with its 56-byte header and
-            the payload's CRC32 (not over CURVE, whose MAC guards each frame, as the node does), every
+            the payload's CRC-32C (not over CURVE, whose MAC guards each frame, as the node does), every
             received one validated by ``decode`` before its payload is copied
             (the node's ``Pushes.offer`` and the worker's PARAM copy do the same copies).
 Reported: GB/s of payload moved (pushed + pulled) per mode, best of ``--repeats``, and the ratio (the issue's
