@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,17 +194,18 @@ class NodeRunner:
         if nvme_dir:
             Path(nvme_dir).mkdir(parents=True, exist_ok=True)
         placement = Placement() if nvme_dir else Placement(params="host", optimizer="host", grads="host")
-        # Outside the plan but in host memory all the same: the served parameters (two copies) and, at
-        # worst, one pending step of every worker's pushes for every unit ([Note: pushes and the node's Recv]).
+        # Outside the plan but in host memory all the same: the served parameters (two copies), at worst
+        # one pending step of every worker's pushes for every unit ([Note: pushes and the node's Recv]),
+        # and at the start the one unit's initial state that worker 0's INITs fill (they come in order).
         self.slices = [slice_of(u.num_params, shard_index, num_shards) for u in self.model.units]
         self.numels = [n for _, n in self.slices]
         """Elements of each unit this node shard holds, pushed, updated and served."""
         total = sum(self.numels)
-        self.buffer_bytes = total * (2 * self.param_dtype.itemsize + 4 * num_workers)
+        self.buffer_bytes = total * (2 * self.param_dtype.itemsize + 4 * num_workers) + 4 * max(self.numels, default=0)
         if self.buffer_bytes >= host_bytes:
             raise ValueError(f"the node's push and serve buffers alone take {self.buffer_bytes / 2**20:.1f} MiB "
-                             f"({num_workers} worker(s) x fp32 gradients + 2 x the parameters), more than its host "
-                             f"memory of {host_bytes / 2**20:.1f} MiB: raise --host-mem")
+                             f"({num_workers} worker(s) x fp32 gradients + 2 x the parameters + one unit's initial "
+                             f"state), more than its host memory of {host_bytes / 2**20:.1f} MiB: raise --host-mem")
         host_bytes -= self.buffer_bytes
         result = plan_node_auto(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
                                                             nvme_bytes=nvme_bytes), num_workers=num_workers,
@@ -248,10 +249,12 @@ class NodeRunner:
             self.served.publish(unit, self.step, [param])
         self.store.flush()
 
-    def read_states(self) -> dict[tuple[int, str], torch.Tensor]:
-        """Every unit's fp32 master and moments, for a snapshot (between steps: the store is quiet)."""
-        return {(u, s): self.store.read_state(u, s, torch.empty(n, dtype=torch.float32))
-                for u, n in enumerate(self.numels) for s in INIT_STATES}
+    def read_states(self) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+        """Every unit's fp32 master and moments, one state at a time (a snapshot holds one in memory at
+        once, not the node's whole state); between steps, when the store is quiet."""
+        for u, n in enumerate(self.numels):
+            for s in INIT_STATES:
+                yield (u, s), self.store.read_state(u, s, torch.empty(n, dtype=torch.float32))
 
     # -- handlers ---------------------------------------------------------------------------------
 

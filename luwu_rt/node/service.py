@@ -283,6 +283,8 @@ class NodeService:
             if msg.offset + msg.nbytes > n:
                 raise ProtocolError("range", f"INIT bytes [{msg.offset}, {msg.offset + msg.nbytes}) past {n}")
             key = (msg.unit, msg.chunk)
+            if key not in self._init and self._init:  # one staging buffer at a time: counted in --host-mem
+                raise ProtocolError("init", "INIT of another state before the last one was whole")
             buf, got = self._init.get(key, (None, 0))
             if buf is None:
                 buf = torch.empty(runner.numels[msg.unit], dtype=torch.float32)

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,10 @@ class Snapshot:
 
 
 def write_snapshot(root: str | os.PathLike, *, manifest: dict[str, Any], step: int, adam_step: int,
-                   states: dict[tuple[int, str], torch.Tensor], keep: int = 1, shard: list[int] | None = None) -> Path:
-    """Writes ``states`` ((unit, state) -> fp32 values) as ``root/step_<step>`` atomically; keeps the
+                   states: Iterable[tuple[tuple[int, str], torch.Tensor]], keep: int = 1,
+                   shard: list[int] | None = None) -> Path:
+    """Writes ``states`` (``((unit, state), fp32 values)`` pairs, read one at a time) as ``root/step_<step>``
+    atomically; keeps the
     newest ``keep`` snapshots. ``shard``: ``[i, k]`` of a node shard, its slices ([Note: node shards]).
     Returns the snapshot's path."""
     root = Path(root)
@@ -63,7 +66,7 @@ def write_snapshot(root: str | os.PathLike, *, manifest: dict[str, Any], step: i
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     files = {}
-    for (unit, name), values in sorted(states.items()):
+    for (unit, name), values in states:
         data = values.detach().to(torch.float32).contiguous().view(torch.uint8).numpy().tobytes()
         fname = f"u{unit}.{name}"
         with open(tmp / fname, "wb") as f:

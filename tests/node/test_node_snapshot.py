@@ -96,7 +96,7 @@ def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
 def test_a_torn_snapshot_is_skipped_for_the_previous_one(tmp_path):
     import torch
 
-    states = {(0, "master"): torch.arange(4.0)}
+    states = [((0, "master"), torch.arange(4.0))]
     write_snapshot(tmp_path, manifest={"m": 1}, step=2, adam_step=2, states=states, keep=2)
     newer = write_snapshot(tmp_path, manifest={"m": 1}, step=4, adam_step=4, states=states, keep=2)
     (newer / "u0.master").write_bytes(b"\0" * 8)  # a torn file: its size and SHA-256 no longer match

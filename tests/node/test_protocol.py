@@ -187,14 +187,15 @@ def test_a_worker_that_never_pushes_is_named_after_the_timeout() -> None:
 
 
 def test_the_push_and_serve_buffers_count_in_the_host_budget() -> None:
-    """2M fp32 parameters: two workers' pending pushes (16 MiB) and the two served copies (16 MiB) do not
-    fit in 5 MiB of host memory: the node refuses the run and says how much its buffers take."""
+    """2M fp32 parameters: two workers' pending pushes (16 MiB), the two served copies (16 MiB) and one
+    unit's initial state (4 MiB) do not fit in 5 MiB of host memory: the node refuses the run and says how
+    much its buffers take."""
     from luwu_rt.node.runner import NodeRunner
 
     m = manifest()
     m["model"]["units"] = [{"name": "u0", "num_params": 2**20, "reads": []}, {"name": "u1", "num_params": 2**20,
                                                                             "reads": []}]
-    with pytest.raises(ValueError, match=r"push and serve buffers alone take 32.0 MiB .* raise --host-mem"):
+    with pytest.raises(ValueError, match=r"push and serve buffers alone take 36.0 MiB .* raise --host-mem"):
         NodeRunner(m, num_workers=2, host_bytes=5 * 2**20, nvme_dir=None, timeout_s=1.0, on_served=lambda u, s: None,
                    chaos=None)
 
