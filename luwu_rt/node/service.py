@@ -311,7 +311,8 @@ class NodeService:
 
     def _welcome(self, identity: bytes) -> None:
         payload = json.dumps({"step": self.runner.step, "adam_step": self.runner.adam_step, "epoch": self.epoch,
-                              "shard": [self.config.shard_index, self.config.num_shards]}).encode()
+                              "shard": [self.config.shard_index, self.config.num_shards],
+                              "snapshot_every": self.config.snapshot_every}).encode()
         self._reply(identity, Message(T.WELCOME, job=self.job, epoch=self.epoch, dtype=DTYPE_CODES["json"],
                                       payload=payload))
 

@@ -23,6 +23,8 @@ from the WELCOME, pulls every unit's parameters after step s into its store,
 and replays steps s+1 ... up to the one it was running. Batches are drawn by
 step number and the node sums the pushes in rank order from the snapshot's
 exact fp32 state, so the replayed steps compute the same losses bit for bit.
+Batches given to ``train_step`` are kept for two of the node's snapshot
+intervals (its WELCOME says ``snapshot_every``), so those steps replay too.
 
 Where a gradient codec plugs in: ``_push`` hands the pieces to the client as
 they are; a compressor would encode them here and the node decode them in
@@ -72,6 +74,11 @@ class NodeWorker:
         self.replayed = 0
         """Steps run again after the node restarted ([Note: a node that restarts])."""
         self.rejoins = 0
+        """Times this worker reconnected to a restarted node."""
+        self._batches: dict[int, Any] = {}
+        """Step -> the batch ``train_step`` was given, for replays ([Note: a node that restarts])."""
+        self._snapshot_every = 0
+        """The node's --snapshot-every, from its WELCOME."""
         self.node_spans: list = []
         """The node's op spans of the run's last step: its own process row in ``--trace`` (shard 0's)."""
         self.shard_spans: list[list] = []
@@ -118,6 +125,7 @@ class NodeWorker:
                            for u, states in sorted(self._initial.items()) for s, v in states.items()
                            if self.slices[u][j][1])
                 welcome = self.clients[j].connect(self._manifest, initial)
+                self._snapshot_every = int(welcome.get("snapshot_every", 0))
                 if welcome.get("shard", [0, 1]) != [j, count]:
                     raise NodeError(f"--node lists {address} as node shard {j} of {count}, but it serves shard "
                                     f"{'/'.join(map(str, welcome.get('shard', [0, 1])))}: list the addresses in "
@@ -151,19 +159,25 @@ class NodeWorker:
         lost ([Note: a node that restarts])."""
         e = self.engine
         target = e.step + 1
+        if batch is not None:  # kept while a node restart may need the step again
+            self._batches[target] = batch
+            keep = 2 * self._snapshot_every  # a restart resumes at most two snapshot intervals back
+            for old in [s for s in self._batches if s <= target - keep]:
+                del self._batches[old]
         while True:
             try:
                 if e.step + 1 >= target:
                     return step_fn(batch)
-                step_fn(None)  # a replayed step: its loss was reported the first time
+                step_fn(self._batches.get(e.step + 1))  # a replayed step: its loss was reported the first time
                 self.replayed += 1
             except NodeLost as exc:
                 if not getattr(exc, "agreed", False):
                     e.world.all_reduce([0.0, 1.0])  # pairs with the others' finish_step: all rejoin
-                if batch is not None:
-                    raise NodeError(f"{exc}; replaying steps needs batches the engine draws by step number "
-                                    f"(train_step() without a batch)") from exc
                 self._rejoin(target)
+                missing = [s for s in range(e.step + 1, target) if batch is not None and s not in self._batches]
+                if missing:
+                    raise NodeError(f"{exc}; replaying steps {missing} needs their batches, which this worker no "
+                                    f"longer has (it keeps 2 x the node's --snapshot-every)") from exc
 
     def finish_step(self, loss_part: float) -> float:
         """After the plan of a step: the node's STATS (the grad norm) and the loss all-reduce with the

@@ -1,6 +1,6 @@
 """Three workers, and node snapshots: a node process killed with SIGKILL mid-run and restarted on the same
-snapshot directory resumes there (that run in the chaos mode, workers and node), the workers rejoin and
-replay, and the run ends with the losses of an uninterrupted node run bit for bit; that run's losses and the grad norms the workers report (the node's)
+snapshot directory resumes there (that run in the chaos mode, workers and node, with batches given to
+``train_step``), the workers rejoin and replay, and the run ends with the losses of an uninterrupted node run bit for bit; that run's losses and the grad norms the workers report (the node's)
 equal the single-process run's on the global batch within 1e-5 relative. One set of worker processes
 serves both runs: process start-up is most of this test's time."""
 
@@ -53,8 +53,8 @@ def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
         runs = [(k, {"strategy": "node", "node": f"tcp://127.0.0.1:{p}", "timeout": 60}, "43" if k == "killed" else "")
                 for k, p in ports.items()]
         results: list = []
-        workers = threading.Thread(target=lambda: results.append(run_ranks(node_jobs.train_metrics, WORKERS, runs)),
-                                   daemon=True)
+        workers = threading.Thread(target=lambda: results.append(run_ranks(node_jobs.train_metrics, WORKERS, runs,
+                                                                           ("killed",))), daemon=True)
         workers.start()
         _wait_for(logs["killed"], f"halted after step {HALT_AFTER}", first)
         first.send_signal(signal.SIGKILL)
