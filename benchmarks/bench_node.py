@@ -124,24 +124,33 @@ def measure(*, total: int, chunk: int, protocol: bool, repeats: int, curve: bool
     return best
 
 
-def compare_train(*, steps: int = 20, batch: int = 4, seq: int = 128) -> None:
+TRAIN_FLAGS = ["--eval-every", "0", "--quiet", "--device-mem", "256MiB", "--host-mem", "256MiB", "--keep-graphs", "none"]
+"""Budgets and flags every training run of this script shares (and ``luwu plan`` is given in bench_node_predict)."""
+
+
+def train_medians(tmp: str, name: str, flags: list[str], *, steps: int, batch: int, seq: int) -> dict[str, float]:
+    """Runs ``luwu train FLAGS`` in ``tmp``; the medians of its ``--json-log`` metrics over steps 3.."""
     import json
     import os
     import statistics
     import subprocess
     import sys
+
+    log = os.path.join(tmp, f"{name}.jsonl")
+    subprocess.run([sys.executable, "-m", "luwu_rt", "train", *flags, "--steps", str(steps), "--batch-size",
+                    str(batch), "--seq-len", str(seq), *TRAIN_FLAGS, "--json-log", log], check=True, cwd=tmp,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lines = [x for x in map(json.loads, open(log)) if "step_s" in x and x["step"] > 2]
+    return {k: statistics.median(x[k] for x in lines) for k in ("step_s", "compute_s")}
+
+
+def compare_train(*, steps: int = 20, batch: int = 4, seq: int = 128) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        medians = {}
-        for name, extra in (("zero3", []), ("node", ["--spawn-node"])):
-            log = os.path.join(tmp, f"{name}.jsonl")
-            subprocess.run([sys.executable, "-m", "luwu_rt", "train", "--strategy", name, "--nproc", "2", *extra,
-                            "--steps", str(steps), "--batch-size", str(batch), "--seq-len", str(seq),
-                            "--eval-every", "0", "--quiet", "--json-log", log], check=True, cwd=tmp,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            lines = [json.loads(line) for line in open(log)]
-            medians[name] = statistics.median(x["step_s"] for x in lines if "step_s" in x and x["step"] > 2)
+        medians = {name: train_medians(tmp, name, ["--strategy", name, "--nproc", "2", *extra], steps=steps,
+                                       batch=batch, seq=seq)["step_s"]
+                   for name, extra in (("zero3", []), ("node", ["--spawn-node"]))}
         print(f"| gpt-tiny, 2 workers x batch {batch} x seq {seq} | zero3 {medians['zero3'] * 1e3:.0f} ms | "
               f"node {medians['node'] * 1e3:.0f} ms | node/zero3 {medians['node'] / medians['zero3']:.2f} |")
 
