@@ -1,6 +1,7 @@
 """Node shards ([Note: node shards] in luwu_rt/node/shards.py): two worker processes and two node shards on
 loopback train gpt-tiny with exact clipping for 10 steps; their losses equal the single-process run on the
-global batch within 1e-5 relative, plainly and with every process drawing chaos delays over CURVE. Also:
+global batch within 1e-5 relative, plainly and with every process drawing chaos delays over CURVE; so do
+three workers with two shards. Also:
 the slices, a push whose message chunks span two store pieces, the norm hub, and the refusals of a
 worker that lists the shards wrongly."""
 
@@ -27,11 +28,11 @@ SHARDS = 2
 class Shards:
     """``SHARDS`` node services on loopback ports, each loop on a thread of the test process."""
 
-    def __init__(self, *, chaos_seed: int | None, auth_keys: str | None = None) -> None:
+    def __init__(self, *, chaos_seed: int | None, auth_keys: str | None = None, workers: int = WORKERS) -> None:
         self.services, self.threads, self.codes = [], [], []
         for i in range(SHARDS):
             chaos = Chaos(seed=chaos_seed + i, rank=1 << 16) if chaos_seed is not None else None
-            service = NodeService(NodeConfig(bind="tcp://127.0.0.1:*", num_workers=WORKERS, host_mem="64MiB",
+            service = NodeService(NodeConfig(bind="tcp://127.0.0.1:*", num_workers=workers, host_mem="64MiB",
                                              timeout=120.0, auth_keys=auth_keys, shard=f"{i}/{SHARDS}"),
                                   chaos=chaos, log=lambda line: None)
             ready = threading.Event()
@@ -53,14 +54,23 @@ class Shards:
         return self.codes
 
 
-@pytest.fixture(scope="module")
-def local_losses():
+def _local(workers: int) -> list[float]:
     from luwu_rt.engine import Engine
 
     with pytest.MonkeyPatch.context() as m:
         m.delenv(CHAOS_ENV, raising=False)
-        with Engine(None, node_jobs.config(batch_size=2 * WORKERS, optim={"grad_clip": 0.5})) as engine:
+        with Engine(None, node_jobs.config(batch_size=2 * workers, optim={"grad_clip": 0.5})) as engine:
             return [engine.train_step()["loss"] for _ in range(node_jobs.STEPS)]
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    assert len(got) == len(want) and worst <= 1e-5, (what, worst, got, want)
+
+
+@pytest.fixture(scope="module")
+def local_losses():
+    return _local(WORKERS)
 
 
 def test_two_workers_and_two_node_shards_equal_the_single_process_run(local_losses, tmp_path):
@@ -74,16 +84,23 @@ def test_two_workers_and_two_node_shards_equal_the_single_process_run(local_loss
     results = run_ranks(node_jobs.train, WORKERS, runs, env={CHAOS_ENV: ""})
     assert plain.finish() == [0, 0] and chaotic.finish() == [0, 0]
     for key in ("plain", "chaos"):
-        got = results[0][key]
-        worst = max(abs(g - w) / abs(w) for g, w in zip(got, local_losses))
-        assert len(got) == len(local_losses) and worst <= 1e-5, (key, worst, got, local_losses)
-        assert results[1][key] == got, "every worker reports the global loss"
+        _close(results[0][key], local_losses, key)
+        assert results[1][key] == results[0][key], "every worker reports the global loss"
     for shards in (plain, chaotic):
         # Each shard kept half of every unit, and both summed the same norms.
         numels = [s.runner.numels for s in shards.services]
         assert all(a > 0 and b > 0 and abs(a - b) <= 1 for a, b in zip(*numels)), numels
         assert all(sum(s.rejects.values()) == 0 for s in shards.services), [dict(s.rejects) for s in shards.services]
         assert shards.services[0].runner.norms.total_sq == shards.services[1].runner.norms.total_sq
+
+
+def test_three_workers_and_two_node_shards_equal_the_single_process_run() -> None:
+    shards = Shards(chaos_seed=None, workers=3)
+    runs = [("plain", {"strategy": "node", "node": shards.address, "optim": {"grad_clip": 0.5}}, "")]
+    results = run_ranks(node_jobs.train, 3, runs, env={CHAOS_ENV: ""})
+    assert shards.finish() == [0, 0]
+    _close(results[0]["plain"], _local(3), "3 workers")
+    assert results[1]["plain"] == results[2]["plain"] == results[0]["plain"]
 
 
 def test_slices_cover_every_element_once() -> None:
