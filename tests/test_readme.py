@@ -2,10 +2,10 @@
 
 A fenced block whose info string carries ``run`` (```` ```bash run ````, ```` ```python run ````) is run: shell
 blocks line by line with bash in one scratch directory, Python blocks as one script. Installing (``pip
-install``) and the test suite itself are left out: they made the environment these tests run in. Step counts
-are shortened to ``LUWU_README_STEPS`` per 100 written (default 2, at least 1) by rewriting ``--steps N`` and
-``range(N)`` (a ``luwu train`` without ``--steps`` runs its 300 default steps), keeping their proportions so
-that a resume still continues a shorter run.
+install``, and a ``pip show`` that decides whether to) and the test suite itself are left out: they made the
+environment these tests run in. Step counts are shortened to ``LUWU_README_STEPS`` per 100 written (default 2,
+at least 1) by rewriting ``--steps N`` and ``range(N)`` (a ``luwu train`` without ``--steps`` runs its 300
+default steps), keeping their proportions so that a resume still continues a shorter run.
 Blocks that need what CI lacks say so in the info string (```` ```bash needs-gpu ````, ``needs-cluster``,
 ``needs-disk``, ``needs-model``) and are only parsed: their shell lines must name real ``luwu`` commands and
 flags (``--help`` accepts them), their Python must compile.
@@ -52,7 +52,8 @@ def _shorten(text: str) -> str:
 def _runnable(command: str) -> str:
     """``command`` without its install and test-suite parts; ``luwu train`` gets its shortened default steps."""
     parts = [p.strip() for p in command.split("&&")]
-    parts = [p for p in parts if not p.startswith(("pip install", "python -m pytest"))]
+    # `{ pip show ... || pip install -e .; }` too: an install only where the package is missing.
+    parts = [p for p in parts if not p.lstrip("{ ").startswith(("pip ", "python -m pytest"))]
     parts = [p + f" --steps {_scaled(300)}" if p.startswith("luwu train") and "--steps" not in p else p for p in parts]
     return " && ".join(parts)
 
@@ -105,3 +106,13 @@ def test_other_blocks_name_real_commands_and_flags(block):
                                    text=True, timeout=120).stdout
         missing = [f for f in flags if f not in help_text]
         assert not missing, f"README line {line}: `{command}` uses flags that `luwu {' '.join(sub)}` lacks: {missing}"
+
+
+def test_ci_runs_the_quickstarts_second_command_as_written():
+    """.ci/run installs and tests a fresh environment with README's command 2 itself, so that the command a
+    newcomer copies is the one CI proves."""
+    quickstart = next(body for lang, markers, body, _ in RUNNABLE if "pip install" in body)
+    second = [c for c in _commands(quickstart) if "pytest" in c]
+    assert len(second) == 1, quickstart
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert second[0] in ci, f".ci/run does not run README's command 2 as written: {second[0]}"

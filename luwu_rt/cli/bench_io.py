@@ -35,7 +35,9 @@ class IOBenchResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", required=True, help="directory on the disk to measure (a temporary file is created and removed)")
+    parser.add_argument("--dir", required=True,
+                        help="directory on the disk to measure (a temporary file is created and removed); created "
+                             "if missing, and then removed at exit")
     parser.add_argument("--size-mb", type=int, default=1024, help="file size in MiB (default 1024)")
     parser.add_argument("--block-kb", type=int, default=1024, help="IO piece size in KiB, a multiple of 4 (default 1024)")
     parser.add_argument("--queue-depth", type=int, default=32, help="pieces in flight per direction (default 32)")
@@ -126,7 +128,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--size-mb must be > 0, got {args.size_mb}")
     if args.block_kb <= 0 or args.block_kb % 4:
         raise ValueError(f"--block-kb must be a positive multiple of 4, got {args.block_kb}")
-    size_bytes = args.size_mb << 20
+    from luwu_rt.cli.dirs import created_dir
+
+    with created_dir(args.dir, flag="--dir"):  # as luwu train treats --nvme-dir ([Note: missing directories])
+        return _run(args, size_bytes=args.size_mb << 20)
+
+
+def _run(args: argparse.Namespace, *, size_bytes: int) -> int:
     if args.sweep:
         best_write, best_read = sweep(args.dir, size_bytes=size_bytes, backend=args.backend,
                                       log=(lambda _line: None) if args.json else print)

@@ -42,7 +42,9 @@ def _parse_count(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="64M", help="parameters to update, e.g. 256M or 1.5G (default 64M)")
     parser.add_argument("--host-mem", default="1GiB", help="pinned host memory budget for staging (default 1GiB)")
-    parser.add_argument("--nvme-dir", required=True, help="directory on the disk that holds the optimizer state")
+    parser.add_argument("--nvme-dir", required=True,
+                        help="directory on the disk that holds the optimizer state; created if missing, and then "
+                             "removed at exit")
     parser.add_argument("--unit-params", default="16M", help="parameters per unit (default 16M)")
     parser.add_argument("--chunk-size", default="16MiB", help="storage chunk size, a multiple of 4KiB (default 16MiB)")
     parser.add_argument("--steps", type=int, default=3, help="steps to run; the median is reported (default 3)")
@@ -131,19 +133,13 @@ def _host_too_small(model, host_bytes: int, placement, args: argparse.Namespace)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from luwu_rt.exec import AdamWHandler, Executor, write_chrome_trace
-    from luwu_rt.io import IOEngine
-    from luwu_rt.plan import Budgets, Placement, estimate, parse_size, plan_step, validate
-    from luwu_rt.store import Arena, NvmeTier, TieredStore, nvme_regions
+    from luwu_rt.cli.dirs import created_dir
+    from luwu_rt.plan import Budgets, Placement, parse_size, plan_step, validate
 
     num_params, unit_params = _parse_count(args.params), _parse_count(args.unit_params)
     chunk_bytes = parse_size(args.chunk_size)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if not os.path.isdir(args.nvme_dir):
-        raise OSError(2, "--nvme-dir does not exist; create it first", args.nvme_dir)
     model = _model_spec(num_params, min(unit_params, num_params), chunk_bytes)
     # Optimizer-only plan: gradients wait at their home (host) as after a backward pass.
     budgets = Budgets(device_bytes=0, host_bytes=parse_size(args.host_mem))
@@ -153,6 +149,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(_host_too_small(model, budgets.host_bytes, placement, args)) from None
     validate(plan)
+    # As luwu train treats --nvme-dir ([Note: missing directories]); made only once the plan is known to fit.
+    with created_dir(args.nvme_dir, flag="--nvme-dir"):
+        return _measure(args, model=model, plan=plan, num_params=num_params, chunk_bytes=chunk_bytes)
+
+
+def _measure(args: argparse.Namespace, *, model, plan, num_params: int, chunk_bytes: int) -> int:
+    """Runs the plan's steps over a fresh NVMe tier in ``--nvme-dir`` and prints them beside the IO bound."""
+    import torch
+
+    from luwu_rt.exec import AdamWHandler, Executor, write_chrome_trace
+    from luwu_rt.io import IOEngine
+    from luwu_rt.plan import estimate
+    from luwu_rt.store import Arena, NvmeTier, TieredStore, nvme_regions
 
     workdir = tempfile.mkdtemp(prefix="luwu-offload-", dir=args.nvme_dir)
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from pathlib import Path
 
 __all__ = ["add_arguments", "run"]
@@ -51,9 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-mem", default=mib(off.host_mem),
                         help=f"pinned host memory budget (default {mib(off.host_mem)}, as luwu train; 'all' for this "
                              f"machine's RAM)")
-    parser.add_argument("--nvme-dir", default=None, help="directory for the NVMe tier; its free space is the budget")
+    parser.add_argument("--nvme-dir", default=None,
+                        help="directory for the NVMe tier, which need not exist yet; the free space of its disk is "
+                             "the budget (default: the current directory's disk, where luwu train makes its scratch "
+                             "NVMe directory)")
     parser.add_argument("--nvme-size", default=None,
-                        help="NVMe budget instead of the free space of --nvme-dir (e.g. to plan for another box)")
+                        help="NVMe budget instead of the free space of --nvme-dir (e.g. to plan for another box; 0: "
+                             "no NVMe tier)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--strategy", default=None, choices=STRATEGIES + ("auto",),
                         help=f"data-parallel strategy (default: local for one rank; auto for more, the fastest "
@@ -126,22 +129,28 @@ def _load_profile(path: str | None):
 
 
 def _nvme_budget(args: argparse.Namespace) -> int:
+    from luwu_rt.cli.dirs import free_bytes
     from luwu_rt.plan.sizes import parse_size
 
     if args.nvme_size is not None:
         return parse_size(args.nvme_size)
-    if args.nvme_dir is None:
-        return 0  # no NVMe tier unless one is named
-    path = Path(args.nvme_dir)
+    # No --nvme-dir: luwu train makes a scratch directory in the current directory; plan with its disk.
+    path = Path(args.nvme_dir if args.nvme_dir is not None else os.curdir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--nvme-dir {path} is a file, not a directory; give a directory, or --nvme-size to plan "
                          f"without one")
     # A missing directory is one `luwu train --nvme-dir` creates: plan with the free space of the disk it
-    # will be created on (its nearest existing parent), as train will.
-    existing = path.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    return shutil.disk_usage(existing).free
+    # will be created on, as train will ([Note: missing directories] in dirs.py).
+    return free_bytes(path)
+
+
+def _nvme_where(args: argparse.Namespace) -> str | None:
+    """Where the planned NVMe tier would live, as the title says it."""
+    if args.nvme_size is not None:
+        return None
+    from luwu_rt.cli.dirs import SCRATCH_PREFIX
+
+    return args.nvme_dir if args.nvme_dir is not None else f"./{SCRATCH_PREFIX}* (luwu train's scratch)"
 
 
 def _strategy(args: argparse.Namespace):
@@ -202,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
             "activation_bytes": model.activation_bytes,
             "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
+            "nvme_dir": _nvme_where(args),
             "runnable": strategy.name in RUNNABLE_STRATEGIES}
     try:
         if len(candidates) > 1:  # auto: the strategy luwu train would pick
@@ -217,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     except DoesNotFit as exc:
         reason = str(exc)
         if not budgets.nvme_bytes and "nvme_bytes" in exc.needs:
-            reason += " (pass --nvme-dir to plan with an NVMe tier)"
+            reason += " (pass --nvme-dir DIR or --nvme-size to plan with an NVMe tier)"
         if "node_nvme_bytes" in exc.needs and args.node_nvme_size is None:
             reason += " (pass --node-nvme-size to give the node an NVMe tier)"
         report = {**head, "fits": False, "reason": reason, "needs": exc.needs}
@@ -309,6 +319,8 @@ def _title(head: dict) -> str:
     world = f" x{head['world_size']}" if head["world_size"] > 1 else ""
     budgets = head["budgets"]
     nvme = format_size(budgets["nvme"]) if budgets["nvme"] else "none"
+    if budgets["nvme"] and head.get("nvme_dir"):
+        nvme += f" at {head['nvme_dir']}"
     return (f"{head['model']}: {_count(head['params'])} params, strategy {head['strategy']}{world}, "
             f"{head['tokens_per_step']} tokens/step; budgets device {format_size(budgets['device'])}, "
             f"host {format_size(budgets['host'])}, nvme {nvme}")

@@ -1,16 +1,22 @@
 """`luwu train`: train a model larger than the device (and host) budgets.
 
 With no arguments it trains gpt-tiny on the embedded corpus (the Python
-standard library's source) on the CPU for 300 steps. Flags override a
-``--config`` TOML file, which overrides the defaults of ``TrainConfig``.
+standard library's source) on the CPU for 300 steps, over all three tiers: the
+default budgets leave the parameters and gradients room on the device but keep
+the optimizer state out of the host budget, so the planner puts it on an NVMe
+tier in a scratch directory under the current directory ([Note: missing
+directories] in dirs.py). Flags override a ``--config`` TOML file, which
+overrides the defaults of ``TrainConfig``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["add_arguments", "run"]
@@ -49,12 +55,14 @@ _HELP = {
     "json_log": "append one JSON line per step (step, loss, tokens_per_s, step_s, ...)",
     "eval_every": "validation loss every N steps (default 100; 0 never)",
     "io_backend": "IO engine backend: auto, io_uring or threads",
-    "device_mem": "device budget including activations, e.g. 40GiB (default 80MiB; a CPU arena without a GPU)",
-    "host_mem": "pinned host budget, e.g. 200GiB (default 32MiB)",
+    "device_mem": "device budget including activations, e.g. 40GiB (default {device_mem}; a CPU arena without a GPU)",
+    "host_mem": "pinned host budget, e.g. 200GiB (default {host_mem})",
     "offload_params": "home of the parameters: device|host|nvme|auto (default auto)",
     "offload_optimizer": "home of master weights and moments: device|host|nvme|auto (default auto)",
     "offload_grads": "home of the gradients: device|host|nvme|auto (default auto)",
-    "nvme_dir": "directory of the NVMe tier", "chunk_size": "storage chunk size (default 4MiB)",
+    "nvme_dir": "directory of the NVMe tier, created if missing (default: a scratch directory ./luwu-scratch-* "
+                "made for the run and removed at exit; a resumed run makes a new one too)",
+    "chunk_size": "storage chunk size (default 4MiB)",
     "lr": "peak learning rate (default 3e-3)", "grad_clip": "global-norm clip, 0 off (default 1.0)",
     "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (default: only at the end)",
     "data": "text or JSONL file, nanoGPT .bin or directory with train.bin/val.bin (default: embedded corpus)",
@@ -80,9 +88,16 @@ _CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "io_backend": ("auto", "io_uring"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from luwu_rt.engine.config import OffloadConfig
+    from luwu_rt.plan import format_size
+
+    # The budgets' defaults in --help are OffloadConfig's own, so that the text cannot drift from them.
+    off = OffloadConfig()
+    defaults = {"device_mem": format_size(off.device_mem).replace(" ", ""),
+                "host_mem": format_size(off.host_mem).replace(" ", "")}
     for name, (_path, kind) in _FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=_HELP[name],
-                            choices=_CHOICES.get(name))
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
+                            help=_HELP[name].format(**defaults), choices=_CHOICES.get(name))
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir "
                                                               "(an error when there is none)")
     parser.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",
@@ -90,11 +105,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--keep-nvme-state", dest="keep_nvme_state", action="store_true",
-                        help="keep the NVMe tier's files (luwu_state/ under --nvme-dir) after the run; by default "
-                             "they are scratch and removed at exit (the checkpoint is what survives)")
+                        help="keep the NVMe tier's files (luwu_state/ under --nvme-dir, or the scratch directory) "
+                             "after the run; by default they are scratch and removed at exit (the checkpoint is what "
+                             "survives)")
     parser.add_argument("--spawn-node", dest="spawn_node", action="store_true",
                         help="strategy node: start a local optimizer node (luwu node serve) for the --nproc ranks "
                              "and stop it when training ends or fails")
+    parser.add_argument("--node-shards", dest="node_shards", type=int, default=1, metavar="K",
+                        help="with --spawn-node: start K node shards (luwu node serve --shard i/K), each keeping 1/K "
+                             "of every unit (default 1)")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="run N ranks on this machine (data parallel, each on its share of the cores); "
                              "the same as torchrun --nproc-per-node N -m luwu_rt train ...")
@@ -142,7 +161,7 @@ def _build(args: argparse.Namespace):
     if start is None:
         return Engine(None, config)
     reader = CheckpointReader(start)
-    check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(reader.meta["config"], settings)).steps)
+    check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(reader.settings, settings)).steps)
     _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
     return Engine.load(start, overrides=settings)
 
@@ -155,45 +174,124 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _describe(engine) -> str:
-    p, plan = engine.placement, engine.plan
-    from luwu_rt.plan import format_size
+# The state groups a user places with --offload-*: (name in the first line, the flag's key, plan states).
+_GROUPS = (("params", "params", ("param",)), ("grads", "grads", ("grad",)),
+           ("optimizer state", "optimizer", ("master", "exp_avg", "exp_avg_sq")))
 
+
+def _describe(engine) -> str:
+    """The run's first line: where each state lives and why, read from the plan's homes and budgets
+    (not from the flags), so that it says what the planner decided."""
+    from luwu_rt.plan import format_size
+    from luwu_rt.plan.analysis import state_bytes
+
+    plan = engine.plan
+    sizes = state_bytes(plan)
+    tiers: dict[str, list[tuple[str, str, int]]] = {}
+    for name, key, states in _GROUPS:
+        held = [s for s in states if s in sizes]  # strategy node: the optimizer state is the node's
+        if held:
+            tiers.setdefault(plan.homes[held[0]], []).append((name, key, sum(sizes[s] for s in held)))
+    homes = [f"{' and '.join(n for n, _, _ in groups)} on {_where(engine, tier)} ({_why(engine, tier, groups)})"
+             for tier in ("device", "host", "nvme") if (groups := tiers.get(tier))]
+    if engine.node is not None:
+        homes.append("optimizer state on the optimizer node")
     peaks = ", ".join(f"{t} {format_size(n)}" for t, n in plan.peak_bytes.items() if n)
-    ranks = ""
     if engine.world.distributed:
         s = engine.strategy
         group = f" in sharding groups of {s.shard_ways}" if s.name == "hsdp" else ""
         why = " (auto: the fastest predicted step that fits)" if engine.config.strategy == "auto" else ""
-        ranks = f"; strategy {s.name} on {engine.world.size} ranks{group}{why}; peak per rank"
+        ranks = f"; strategy {s.name} on {engine.world.size} ranks{group}{why}; per rank: peak"
     else:
         ranks = "; peak"
     return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
-            f"params on {p.params}, optimizer state on {p.optimizer}, grads on {p.grads}{ranks} {peaks}")
+            f"{', '.join(homes)}{ranks} {peaks}")
+
+
+def _where(engine, tier: str) -> str:
+    if tier == "nvme":
+        return f"nvme at {engine.config.offload.nvme_dir}"
+    return tier
+
+
+def _why(engine, tier: str, groups: list[tuple[str, str, int]]) -> str:
+    """Why the planner put ``groups`` (name, flag key, bytes) on ``tier``: the budget they fit, or the
+    faster tier's budget they did not; a placement the user gave is named as such."""
+    from luwu_rt.plan import format_size as size
+
+    off, plan = engine.config.offload, engine.plan
+    forced = [key for _, key, _ in groups if getattr(off, key) != "auto"]
+    if len(forced) == len(groups):
+        return ", ".join(f"--offload-{key} {tier}" for key in forced)
+    names = " and ".join(n for n, _, _ in groups)
+    nbytes = sum(n for _, _, n in groups)
+    arena = max(plan.budgets.device_bytes - plan.device_reserve_bytes, 0)
+    if tier == "device":
+        cpu = "; a CPU arena, no GPU" if engine.device.type == "cpu" else ""
+        return (f"{size(nbytes)} fit the {size(arena)} device arena beside {size(plan.device_reserve_bytes)} of "
+                f"activations{cpu}")
+    budget, what = (arena, "device arena") if tier == "host" else (plan.budgets.host_bytes, "host budget")
+    if nbytes > budget:
+        return f"{what} {size(budget)} < {names} {size(nbytes)}"
+    return f"{names} {size(nbytes)}: no room beside the rest in the {size(budget)} {what}"
+
+
+@contextlib.contextmanager
+def _scratch_nvme_dir(args: argparse.Namespace) -> Iterator[None]:
+    """Without an NVMe directory of its own (no --nvme-dir, none in --config), a run's NVMe tier is a
+    scratch directory ./luwu-scratch-* made here and removed when the run ends: on success, on an error
+    and on Ctrl-C ([Note: missing directories] in dirs.py). A resumed run makes a new one rather than
+    reuse the checkpoint's: the tier is rebuilt every run anyway, and the old scratch is gone."""
+    from luwu_rt.cli.dirs import scratch_dir
+    from luwu_rt.config import load_toml
+
+    args.scratch = None
+    offload = load_toml(args.config).get("offload") if args.config else None
+    from_toml = offload.get("nvme_dir") if isinstance(offload, dict) else None  # a malformed table: from_mapping says
+    if args.nvme_dir is not None or from_toml is not None:  # "" too: the config refuses it in one line
+        yield
+        return
+    with scratch_dir(flag="--nvme-dir", keep=args.keep_nvme_state) as scratch:
+        # As a flag, so that the ranks of --nproc get it too: one scratch for all, which this process
+        # (the launcher) removes after they exit, however they exit.
+        args.nvme_dir, args.scratch = scratch.path, scratch
+        try:
+            yield
+        finally:
+            if args.keep_nvme_state and not scratch.removed:
+                _say(f"the NVMe tier's files stay in {scratch.path} (--keep-nvme-state)")
 
 
 def run(args: argparse.Namespace) -> int:
     from luwu_rt.engine.interrupt import StopRequest, test_hook
 
     world_size = int(os.environ.get("WORLD_SIZE") or 1)
+    if getattr(args, "node_shards", 1) != 1 and not getattr(args, "spawn_node", False):
+        raise ValueError("--node-shards goes with --spawn-node; for nodes you started, list every shard's address "
+                         "in --node, in shard order")
     if getattr(args, "spawn_node", False):  # a local optimizer node around the whole run (node/spawn.py)
         if world_size > 1 or args.node:
             raise ValueError("--spawn-node starts the node itself: leave out --node, and use --nproc, not torchrun")
         from luwu_rt.node.spawn import spawned_node
 
-        with spawned_node(num_workers=args.nproc or 1, timeout_s=args.timeout or 300.0) as address:
+        if args.node_shards < 1:
+            raise ValueError(f"--node-shards {args.node_shards}: give a number of node processes >= 1")
+        with spawned_node(num_workers=args.nproc or 1, timeout_s=args.timeout or 300.0,
+                          num_shards=args.node_shards) as address:
             args.spawn_node, args.node, args.strategy = False, address, args.strategy or "node"
+            args.node_shards = 1
             return run(args)
-    if not (args.nproc is not None and args.nproc > 1 and world_size == 1):
-        # From here on a signal asks to stop after a step instead of raising ([Note: interrupting a run]);
-        # the launcher of --nproc keeps Python's handler and forwards Ctrl-C to the ranks.
-        args.stop_request = StopRequest().install()
-        try:
-            test_hook("start", 1)
-            return _run(args, world_size)
-        finally:
-            args.stop_request.finish()
-    return _run(args, world_size)
+    with _scratch_nvme_dir(args):
+        if not (args.nproc is not None and args.nproc > 1 and world_size == 1):
+            # From here on a signal asks to stop after a step instead of raising ([Note: interrupting a run]);
+            # the launcher of --nproc keeps Python's handler and forwards Ctrl-C to the ranks.
+            args.stop_request = StopRequest().install()
+            try:
+                test_hook("start", 1)
+                return _run(args, world_size)
+            finally:
+                args.stop_request.finish()
+        return _run(args, world_size)
 
 
 def _run(args: argparse.Namespace, world_size: int) -> int:
@@ -232,6 +330,8 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
 
             return run_rank(train, timeout_s=timeout)
     engine = _build(args)
+    if getattr(args, "scratch", None) is not None and engine.store.nvme is None:
+        args.scratch.remove()  # the plan keeps nothing on NVMe: no empty directory in the way while it runs
     try:
         return _train(engine, args)
     finally:
@@ -269,6 +369,13 @@ def _train(engine, args: argparse.Namespace) -> int:
     c = engine.config
     first = engine.world.rank == 0  # metrics are global: only the first rank reports them
     _say(_describe(engine))
+    if engine.store.nvme is not None and first:
+        from luwu_rt.cli.dirs import disk_problem
+
+        nvme_dir = c.offload.nvme_dir
+        if problem := disk_problem(nvme_dir):  # the IO engine goes through the page cache there: say so
+            _say(f"luwu: the NVMe tier at {nvme_dir} {problem}: its IO goes through the page cache instead of "
+                 f"O_DIRECT; for a real disk run from a directory on one, or pass --nvme-dir DIR on one")
     if engine.weights_source:  # which of the model, a checkpoint folder or the seed the run starts from
         _say(f"first {engine.weights_source}")
     stop = getattr(args, "stop_request", None)
@@ -332,8 +439,11 @@ def _train(engine, args: argparse.Namespace) -> int:
 
         every = engine.world.all_gather_object(engine.last_spans)  # one file, one process row per rank
         if first:
-            node = engine.node.node_spans if engine.node is not None else []  # the node's queues: a row of its own
-            write_rank_traces(every, c.trace, extra=[("optimizer node", node)] if node else ())
+            # The node's queues: a row of its own (one per node shard).
+            shards = [s for s in engine.node.shard_spans if s] if engine.node is not None else []
+            names = ["optimizer node"] if len(shards) == 1 else [f"optimizer node {i}/{len(shards)}"
+                                                                  for i in range(len(shards))]
+            write_rank_traces(every, c.trace, extra=list(zip(names, shards)))
     if ran and first:
         avg = {k: v / ran for k, v in totals.items()}
         other = max(avg["step_s"] - avg["compute_s"] - avg["wait_s"], 0.0)

@@ -229,6 +229,12 @@ class CheckpointReader:
         self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
         self.run_id: str | None = self.meta.get("run_id")
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The saved run's config as a resumed run starts from it: without the optimizer node's address and
+        key, which were that session's (a spawned node's port is gone); a resume gives them again, or none."""
+        return {**self.meta["config"], "node": None, "node_key": None}
+
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name``; ``OSError(EIO)`` naming the file if its bytes do not match the checksum."""
         entry = self.tensors.get(name)

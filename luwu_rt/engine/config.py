@@ -33,20 +33,27 @@ class OffloadConfig:
     """Home of the fp32 master weights and the Adam moments."""
     grads: str = "auto"
     """Home of the gradients between backward and the optimizer step."""
-    device_mem: int | str = "80MiB"
+    device_mem: int | str = "88MiB"
     """Device budget in bytes (``"4GiB"`` accepted), activations included: the planner reserves what one
     micro-batch's activations and kept graphs take (measured, ``engine/workload.py``) and places shards
     in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it. The
-    default fits gpt-tiny's default run (77 MiB of activations with every graph kept) with less than a
-    unit's parameters left for the arena, so the state streams from the host."""
-    host_mem: int | str = "32MiB"
-    """Pinned host arena budget in bytes."""
+    default is sized for gpt-tiny's default run on the CPU: 77 MiB of activations (every graph kept)
+    leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the optimizer
+    state as well (9.9 MiB more), so the run uses the device tier for real."""
+    host_mem: int | str = "6MiB"
+    """Pinned host arena budget in bytes. The default is below gpt-tiny's optimizer state (9.9 MiB) but
+    holds one unit's share of it while that unit is updated, so the planner itself must put the
+    optimizer state on NVMe: ``luwu train`` alone uses all three tiers."""
     nvme_dir: str | None = None
     """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it).
     Created when missing, as ``luwu plan --nvme-dir`` assumes. The tier's files (``luwu_state/`` under it)
-    are scratch: the checkpoint, not they, survives a run, so they are removed when the engine closes."""
+    are scratch: the checkpoint, not they, survives a run, so they are removed when the engine closes.
+    ``None``: the engine has no NVMe tier; ``luwu train`` then gives it a scratch directory
+    ``./luwu-scratch-*`` of its own, removed at exit, and ``luwu plan`` plans with that directory's disk
+    ([Note: missing directories] in cli/dirs.py)."""
     keep_nvme_state: bool = False
-    """Keep ``luwu_state/`` under ``nvme_dir`` after the run (to look at it); the next run rebuilds it anyway."""
+    """Keep ``luwu_state/`` under ``nvme_dir`` (and ``luwu train``'s scratch directory) after the run, to look
+    at it; the next run rebuilds it anyway."""
     chunk_size: int | str = "4MiB"
     """Storage chunk: the unit of file IO and checksums; a multiple of 4 KiB."""
 
@@ -59,6 +66,9 @@ class OffloadConfig:
         self.chunk_size = _size(self.chunk_size, "offload.chunk_size")
         if self.chunk_size <= 0 or self.chunk_size % 4096:
             raise ValueError(f"offload.chunk_size={self.chunk_size} must be a positive multiple of 4096 bytes")
+        if self.nvme_dir is not None and not str(self.nvme_dir).strip():  # "" must not quietly mean "no tier"
+            raise ValueError("offload.nvme_dir (--nvme-dir) is empty; give a directory, or leave it out (luwu train "
+                             "then makes a scratch directory ./luwu-scratch-*)")
         uses_nvme = "nvme" in (self.params, self.optimizer, self.grads)
         if uses_nvme and not self.nvme_dir:
             raise ValueError("state is placed on nvme but no --nvme-dir (offload.nvme_dir) was given")
@@ -197,11 +207,8 @@ class TrainConfig:
             raise ValueError(f"strategy={self.strategy!r}: choose one of auto, {', '.join(_RUNNABLE)}")
         if self.strategy == "node" and not self.node:
             raise ValueError("strategy node needs --node tcp://HOST:PORT (a running `luwu node serve`), or "
-                             "--spawn-node to start one")
-        if self.strategy == "node" and self.checkpoint.dir:
-            raise ValueError("--ckpt-dir with strategy node is not built yet: the optimizer state lives on the node "
-                             "and is saved by the node's own snapshots (luwu node serve --snapshot-dir DIR "
-                             "--snapshot-every K); leave out --ckpt-dir")
+                             "--spawn-node to start one (a node run's checkpoint resumes with either, or without a "
+                             "node with --strategy auto)")
         if self.node_key and not os.path.isfile(self.node_key):
             raise ValueError(f"--node-key {self.node_key}: no such file; make keys with `luwu node keygen DIR`")
         if self.node and self.strategy != "node":

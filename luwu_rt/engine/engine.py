@@ -379,10 +379,7 @@ class Engine:
         ``overrides`` changes config keys (e.g. the number of steps, budgets or placement)."""
         reader = CheckpointReader(directory)
         verify_checkpoint(reader, read_data=False)  # complete and self-consistent; data is checked as read
-        saved = dict(reader.meta["config"])
-        if (overrides or {}).get("strategy", "node") != "node":  # a node run resumed another way: no node
-            saved.update(node=None, node_key=None)
-        config = from_mapping(TrainConfig, merge(saved, overrides or {}))
+        config = from_mapping(TrainConfig, merge(reader.settings, overrides or {}))
         engine = cls(model, config, materialize=False)
         engine.run_id = reader.run_id  # a resumed run goes on owning its checkpoints
         if engine._signature() != reader.meta["model"]:

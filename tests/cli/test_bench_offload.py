@@ -17,10 +17,23 @@ def test_offload_step_json_fields(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []  # its files are removed
 
 
-def test_offload_step_needs_an_existing_dir(tmp_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--nvme-dir", str(tmp_path / "no")],
+def test_offload_step_creates_a_missing_dir_and_removes_it(tmp_path) -> None:
+    """Issue 13: a missing --nvme-dir is treated as `luwu train` treats it (created, said), and what the
+    benchmark created is removed at exit, as it keeps nothing there."""
+    nv = tmp_path / "not" / "yet"
+    r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--params", "1M", "--unit-params",
+                        "512K", "--chunk-size", "1MiB", "--host-mem", "64MiB", "--steps", "1", "--nvme-dir", str(nv),
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"creating --nvme-dir {nv}" in r.stderr
+    json.loads(r.stdout)  # the line about the directory goes to stderr: --json keeps stdout to one object
+    assert list(tmp_path.iterdir()) == []  # tmp_path/not, which it made, is gone as well
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--params", "1M", "--unit-params",
+                        "512K", "--host-mem", "64MiB", "--nvme-dir", str(blocker)],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--nvme-dir does not exist" in r.stderr
+    assert r.returncode == 2 and "names a file, not a directory" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_offload_step_too_little_host_suggests_its_own_flags(tmp_path) -> None:

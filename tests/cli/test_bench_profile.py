@@ -61,3 +61,19 @@ def test_plan_profile_help_names_keys_and_writer(capsys):
         pass
     out = " ".join(capsys.readouterr().out.split())
     assert "node_nvme_write_gbps" in out and "luwu bench io --dir DIR --profile-out FILE" in out
+
+
+def test_bench_io_creates_a_missing_dir_and_removes_it(tmp_path, capsys):
+    """Issue 13: `luwu bench io --dir` on a missing directory creates it (and says so, on stderr) as
+    `luwu train --nvme-dir` does, and removes what it created at exit."""
+    missing = tmp_path / "not" / "yet"
+    assert main(["bench", "io", "--dir", str(missing), "--size-mb", "1", "--block-kb", "256", "--queue-depth", "4",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    assert f"creating --dir {missing}" in captured.err
+    assert list(tmp_path.iterdir()) == []
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert main(["bench", "io", "--dir", str(kept), "--size-mb", "1", "--block-kb", "256", "--queue-depth", "4"]) == 0
+    assert "creating" not in capsys.readouterr().err and kept.is_dir()  # a directory the user made stays

@@ -8,6 +8,7 @@ import pytest
 from luwu_rt.cli.main import main
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
+from luwu_rt.engine.config import OffloadConfig
 from luwu_rt.plan import DoesNotFit
 
 BUDGETS_MIB = (8, 24, 60, 79, 84, 96, 256)
@@ -23,7 +24,8 @@ def test_plan_and_train_agree_on_a_grid_of_budgets(capsys, keep, dtype, grad_acc
                     "offload": {"device_mem": f"{device_mib}MiB", "host_mem": "32MiB", "chunk_size": "4MiB"}}
         assert main(["plan", "--json", "--model", "gpt-tiny", "--batch-size", "16", "--seq-len", "128",
                      "--grad-accum", str(grad_accum), "--dtype", dtype, "--keep-graphs", keep, "--grad-clip", "1.0",
-                     "--device-mem", f"{device_mib}MiB", "--host-mem", "32MiB", "--chunk-size", "4MiB"]) in (0, 1)
+                     "--device-mem", f"{device_mib}MiB", "--host-mem", "32MiB", "--chunk-size", "4MiB",
+                     "--nvme-size", "0"]) in (0, 1)  # the engine below has no NVMe tier: plan without one
         planned = json.loads(capsys.readouterr().out)
         try:
             engine = Engine(None, from_mapping(TrainConfig, settings), materialize=False)
@@ -41,12 +43,14 @@ def test_plan_and_train_agree_on_a_grid_of_budgets(capsys, keep, dtype, grad_acc
             engine.close()
 
 
-def test_with_no_flags_plan_answers_for_the_run_train_makes(capsys) -> None:
+def test_with_no_flags_plan_answers_for_the_run_train_makes(tmp_path, capsys) -> None:
     """One source of defaults: `luwu plan` alone plans `luwu train` alone (model, batch, sequence, dtype,
-    chunk size, budgets, kept graphs, clipping)."""
+    chunk size, budgets, kept graphs, clipping, and an NVMe tier on the current directory's disk, where
+    train makes its scratch directory; the engine here gets such a directory as the CLI gives it one)."""
     assert main(["plan", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
-    with Engine(None, TrainConfig(), materialize=False) as engine:
+    config = TrainConfig(offload=OffloadConfig(nvme_dir=str(tmp_path / "luwu-scratch-test")))
+    with Engine(None, config, materialize=False) as engine:
         p = engine.placement
         assert planned["model"] == engine.config.model
         assert planned["tokens_per_step"] == engine.model_spec.tokens_per_step

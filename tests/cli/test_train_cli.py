@@ -66,7 +66,7 @@ def test_kill_minus_nine_then_resume_continues_from_last_checkpoint(tmp_path) ->
     "args, message",
     [
         (["--host-mem", "1KiB", "--device-mem", "1KiB"], "does not fit"),
-        (["--offload-optimizer", "nvme"], "nvme-dir"),
+        (["--nvme-dir", ""], "--nvme-dir) is empty"),
         (["--device-mem", "lots"], "cannot read size"),
         (["--steps", "0"], "steps must be a positive integer"),
         (["--model", "gpt-7"], "unknown model preset"),

@@ -1,0 +1,147 @@
+"""Directories the commands work in: one way to treat a missing one, the scratch NVMe tier of a run that
+names none, and whether a directory is on a disk that takes O_DIRECT.
+
+[Note: missing directories]
+Every command treats a directory the user names the same way: one that does not exist is created, and
+the command says so on stderr (a typo should not fill another disk unnoticed); a file in its place is a
+one-line error. What happens to it afterwards follows from what the command keeps there: ``luwu train
+--nvme-dir D`` keeps ``D`` (and its lock file, [Note: directory locks]) and removes only the tier's
+files, while the benchmarks keep nothing, so they remove what they created. ``luwu plan`` creates
+nothing: it plans with the free space of the disk the directory would be made on. ``luwu train``
+without ``--nvme-dir`` makes a scratch directory ``./luwu-scratch-*`` and removes it at exit (success,
+error or Ctrl-C), and ``luwu plan`` without ``--nvme-dir`` plans with the free space of the current
+directory's disk, so the two answer alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["SCRATCH_PREFIX", "Scratch", "created_dir", "disk_problem", "free_bytes", "scratch_dir"]
+
+SCRATCH_PREFIX = "luwu-scratch-"
+"""Name prefix of the NVMe scratch directory ``luwu train`` makes in the current directory."""
+
+# File systems that keep their files in memory: a tier there measures RAM, not a disk.
+_MEMORY_FS = ("tmpfs", "ramfs", "devtmpfs")
+
+
+def _missing_top(path: Path) -> Path | None:
+    """The outermost directory of ``path`` that does not exist yet (what creating it makes), or ``None``."""
+    top = None
+    p = path.absolute()
+    while not p.exists():
+        top, p = p, p.parent
+    return top
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free space of the disk ``path`` is on, or would be created on (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+@contextlib.contextmanager
+def created_dir(path: str | os.PathLike, *, flag: str) -> Iterator[Path]:
+    """``path`` as a working directory of a command that keeps nothing in it: created (and said) when
+    missing, and what was created removed when the block ends, however it ends ([Note: missing
+    directories])."""
+    from luwu_rt.engine.locks import writable_dir
+
+    made = _missing_top(Path(path))
+    try:
+        directory = writable_dir(path, flag=flag)  # a file in its place or no permission: one line, now
+        if made is not None:
+            print(f"creating {flag} {path} (it did not exist; removed at exit)", file=sys.stderr)
+        yield directory
+    finally:
+        if made is not None:  # also the parents a failed mkdir made before it failed
+            shutil.rmtree(made, ignore_errors=True)
+
+
+class Scratch:
+    """A scratch directory this process made; ``remove`` is idempotent."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.removed = False
+
+    def remove(self) -> None:
+        if not self.removed:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.removed = True
+
+
+@contextlib.contextmanager
+def scratch_dir(*, flag: str, keep: bool = False) -> Iterator[Scratch]:
+    """A fresh ``./luwu-scratch-*`` directory in the current directory, removed when the block ends
+    (also on an error or a KeyboardInterrupt) unless ``keep``. Under the current directory because
+    that is where a user looks for what a command left, and the system's temporary directory is
+    often a tmpfs, which is memory, not a disk ([Note: missing directories])."""
+    try:
+        path = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=os.curdir)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot make the NVMe scratch directory here ({exc.strerror}); run from a "
+                                 f"writable directory or pass {flag} DIR", os.getcwd()) from None
+    scratch = Scratch(path)
+    try:
+        yield scratch
+    finally:
+        if not keep:
+            scratch.remove()
+
+
+def _fs_type(path: Path) -> str | None:
+    """The file system type of the mount ``path`` is on, from /proc/self/mountinfo (``None`` if unknown)."""
+    target, best, kind = str(path.resolve()), -1, None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                mount = fields[4].replace("\\040", " ")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > best:
+                    best, kind = len(mount), line.split(" - ", 1)[1].split()[0]
+    except OSError:
+        return None
+    return kind
+
+
+def disk_problem(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` is not a real disk that takes O_DIRECT, or ``None`` when it is. The IO engine
+    works either way (without O_DIRECT it goes through the page cache); this is what a run says
+    about it, so that a tier in memory is never taken for a disk."""
+    path = Path(directory)
+    kind = _fs_type(path)
+    if kind in _MEMORY_FS:
+        return f"is on {kind}, which keeps files in memory, not on a disk"
+    probe = path / f".luwu-direct-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # the file system has no O_DIRECT
+            return f"is on a file system ({kind or 'unknown'}) without O_DIRECT"
+        raise OSError(exc.errno, f"cannot create a file in the NVMe directory ({exc.strerror})", str(path)) from None
+    try:
+        with mmap.mmap(-1, 4096) as page:  # page-aligned, as O_DIRECT needs
+            os.write(fd, page)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise OSError(exc.errno, f"cannot write in the NVMe directory ({exc.strerror})", str(path)) from None
+        return f"is on a file system ({kind or 'unknown'}) that refuses O_DIRECT writes"
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+    return None
