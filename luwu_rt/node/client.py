@@ -12,6 +12,13 @@ A pull's handle waits until every chunk of the unit was written into the
 store's parameter shards (by the IO thread, while the pull queue waits).
 While the node says nothing for ``timeout_s`` - it answers each heartbeat - a
 waiting transfer fails naming the node's address.
+
+[Note: byte credits]
+A push (or INIT) chunk is sent only while the chunks this client sent and the
+node has not ACKed stay within ``CREDIT_CHUNKS`` chunks (protocol.py): the push
+queue waits for the node's ACKs, so the bytes queued towards the node, in this
+process's socket and in the node's, stay bounded however fast backward makes
+gradients. A chunk larger than the credit is sent alone.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import numpy as np
 import torch
 
 from .manifest import job_id, manifest_bytes
-from .protocol import DTYPE_CODES, MAX_PAYLOAD_BYTES, F, Message, ProtocolError, T, decode, encode
+from .protocol import CREDIT_CHUNKS, DTYPE_CODES, MAX_PAYLOAD_BYTES, F, Message, ProtocolError, T, decode, encode
 
 __all__ = ["NodeClient", "NodeError", "NodeLost"]
 
@@ -88,6 +95,11 @@ class NodeClient:
         self._pulls: dict[tuple[int, int, int], tuple[_Transfer, list[tuple[int, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._credit = CREDIT_CHUNKS * chunk_bytes
+        self._inflight = 0
+        self._unacked: dict[tuple[int, int, int, int], int] = {}
+        """(step, unit, chunk, offset) of a push or INIT not yet ACKed -> its bytes ([Note: byte credits])."""
+        self._credit_cv = threading.Condition()
         self._stop = threading.Event()
         import zmq
 
@@ -110,16 +122,41 @@ class NodeClient:
 
     def _wait(self, event: threading.Event, what: str) -> None:
         while not event.wait(0.2):
-            if self.lost is not None:
-                raise NodeLost(f"{what}: {self.lost}")
-            if self.error is not None:
-                raise NodeError(f"{what}: {self.error}")
-            silent = time.monotonic() - self.last_heard
-            if silent > self.timeout_s:
-                raise NodeError(f"{what}: the optimizer node at {self.address} said nothing for {silent:.0f}s (it "
-                                f"died or hung; is `luwu node serve` running there?); raise --timeout to wait longer")
+            self._check(what)
         if self.error is not None:
             raise NodeError(f"{what}: {self.error}")
+
+    def _check(self, what: str) -> None:
+        """Raises if the node restarted, failed or went silent; for every wait on it."""
+        if self.lost is not None:
+            raise NodeLost(f"{what}: {self.lost}")
+        if self.error is not None:
+            raise NodeError(f"{what}: {self.error}")
+        silent = time.monotonic() - self.last_heard
+        if silent > self.timeout_s:
+            raise NodeError(f"{what}: the optimizer node at {self.address} said nothing for {silent:.0f}s (it "
+                            f"died or hung; is `luwu node serve` running there?); raise --timeout to wait longer")
+
+    def _send_credited(self, msg: Message, what: str, *, flush: bool) -> None:
+        """Sends a push or INIT once the credit allows it ([Note: byte credits])."""
+        n = len(msg.payload)
+        with self._credit_cv:
+            if self._inflight and self._inflight + n > self._credit:
+                with self._lock:  # what is queued must go out for its ACKs to come back
+                    self._wake.send(b"")
+                while self._inflight and self._inflight + n > self._credit:
+                    self._check(what)
+                    self._credit_cv.wait(0.2)
+            self._inflight += n
+            self._unacked[(msg.step, msg.unit, msg.chunk, msg.offset)] = n
+        self._send(msg, flush=flush)
+
+    def _credit_back(self, msg: Message) -> None:
+        with self._credit_cv:
+            n = self._unacked.pop((msg.step, msg.unit, msg.chunk, msg.offset), 0)
+            if n:
+                self._inflight -= n
+                self._credit_cv.notify_all()
 
     def stats(self, step: int) -> dict:
         """The node's STATS of ``step`` (its grad norm), waiting for them like any transfer."""
@@ -146,8 +183,10 @@ class NodeClient:
             for unit, state, values in initial:
                 data = memoryview(values.contiguous().view(torch.uint8).numpy())
                 for offset in range(0, len(data), self.chunk_bytes):
-                    self._send(Message(T.INIT, job=self.job, rank=0, unit=unit, chunk=state, offset=offset,
-                                       dtype=DTYPE_CODES["float32"], payload=bytes(data[offset : offset + self.chunk_bytes])))
+                    self._send_credited(Message(T.INIT, job=self.job, rank=0, unit=unit, chunk=state, offset=offset,
+                                                dtype=DTYPE_CODES["float32"],
+                                                payload=bytes(data[offset : offset + self.chunk_bytes])),
+                                        f"worker 0 sending the initial state of unit {unit}", flush=False)
             self._send(Message(T.INIT, flags=F.LAST, job=self.job, rank=0))
         self._wait(self._welcomed, f"worker {self.rank} joining the optimizer node")
         return self.welcome
@@ -177,11 +216,12 @@ class NodeClient:
         transfer = _Transfer(len(chunks))
         with self._lock:
             self._acks[(step, unit)] = (transfer, {off // self.chunk_bytes for off, _ in chunks})
+        what = f"worker {self.rank}: pushing unit {unit} of step {step}"
         for i, (offset, data) in enumerate(chunks):
-            self._send(Message(T.PUSH_GRAD, job=self.job, rank=self.rank, step=step, unit=unit,
-                               chunk=offset // self.chunk_bytes, offset=offset, dtype=DTYPE_CODES["float32"],
-                               epoch=self.epoch, payload=data), flush=i == len(chunks) - 1)
-        return _Wait(self, transfer, f"worker {self.rank}: pushing unit {unit} of step {step}")
+            self._send_credited(Message(T.PUSH_GRAD, job=self.job, rank=self.rank, step=step, unit=unit,
+                                        chunk=offset // self.chunk_bytes, offset=offset, dtype=DTYPE_CODES["float32"],
+                                        epoch=self.epoch, payload=data), what, flush=i == len(chunks) - 1)
+        return _Wait(self, transfer, what)
 
     def pull(self, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]):
         """Asks for ``unit``'s parameters after ``step``'s update, to be written into ``pieces`` (``(byte
@@ -275,6 +315,7 @@ class NodeClient:
             self.epoch = int(self.welcome["epoch"])
             self._welcomed.set()
         elif msg.type == T.ACK:
+            self._credit_back(msg)
             with self._lock:
                 entry = self._acks.get((msg.step, msg.unit))
                 if entry is not None and msg.chunk in entry[1]:

@@ -22,7 +22,8 @@ Per message type (W: worker -> node, N: node -> worker):
                 needs a snapshot of the run).
   INIT       W  worker 0 only, after its HELLO: initial state, ``chunk`` = index
                 of the state in ``INIT_STATES``, ``offset`` bytes into the unit's
-                fp32 buffer; flag ``LAST`` on the final one.
+                fp32 buffer; flag ``LAST`` on the final one. ACKed like a push
+                (``step`` 0), for the credit (``CREDIT_CHUNKS``).
   WELCOME    N  payload JSON ``{"step": s, "adam_step": a, "epoch": e}``: training
                 resumes after step s; every later message carries the node's ``epoch``.
   PUSH_GRAD  W  fp32 gradient bytes of ``unit`` at ``offset``, for ``step``.
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 
 from luwu_rt._C import crc32c
 
-__all__ = ["DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError", "T", "VERSION",
+__all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError", "T", "VERSION",
            "F", "decode", "encode"]
 
 MAGIC = b"LUWU"
@@ -68,6 +69,11 @@ HEADER = struct.Struct("<4sBBHIIIiIQQB3xII")
 """magic, version, type, flags, job, rank, step, unit, chunk, offset, nbytes, dtype, epoch, checksum."""
 MAX_PAYLOAD_BYTES = 16 * 2**20
 """Largest payload frame accepted: the largest message chunk (1-16 MiB)."""
+CREDIT_CHUNKS = 4
+"""Byte-credit flow control: a worker keeps at most this many chunks of pushes and INITs unacknowledged
+(the node ACKs each as it stores it), so what waits in the node's socket for its loop is bounded, and
+counted in its ``--host-mem``; the node's receive high-water mark holds a peer that ignores its credit
+back in TCP, not in the node's memory."""
 
 
 class T:

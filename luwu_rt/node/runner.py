@@ -41,7 +41,7 @@ from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
 from luwu_rt.store import TieredStore
 
 from .manifest import model_spec
-from .protocol import INIT_STATES, ProtocolError
+from .protocol import CREDIT_CHUNKS, INIT_STATES, ProtocolError
 from .shards import slice_of
 
 __all__ = ["NodeRunner", "Pushes", "Served"]
@@ -196,16 +196,18 @@ class NodeRunner:
         placement = Placement() if nvme_dir else Placement(params="host", optimizer="host", grads="host")
         # Outside the plan but in host memory all the same: the served parameters (two copies), at worst
         # one pending step of every worker's pushes for every unit ([Note: pushes and the node's Recv]),
-        # and at the start the one unit's initial state that worker 0's INITs fill (they come in order).
+        # at the start the one unit's initial state that worker 0's INITs fill (they come in order), and
+        # each worker's credit of messages waiting in the node's socket (CREDIT_CHUNKS in protocol.py).
         self.slices = [slice_of(u.num_params, shard_index, num_shards) for u in self.model.units]
         self.numels = [n for _, n in self.slices]
         """Elements of each unit this node shard holds, pushed, updated and served."""
         total = sum(self.numels)
-        self.buffer_bytes = total * (2 * self.param_dtype.itemsize + 4 * num_workers) + 4 * max(self.numels, default=0)
+        self.buffer_bytes = (total * (2 * self.param_dtype.itemsize + 4 * num_workers) + 4 * max(self.numels, default=0)
+                             + num_workers * CREDIT_CHUNKS * self.model.chunk_bytes)
         if self.buffer_bytes >= host_bytes:
             raise ValueError(f"the node's push and serve buffers alone take {self.buffer_bytes / 2**20:.1f} MiB "
                              f"({num_workers} worker(s) x fp32 gradients + 2 x the parameters + one unit's initial "
-                             f"state), more than its host memory of {host_bytes / 2**20:.1f} MiB: raise --host-mem")
+                             f"state + the workers' credit), more than its host memory of {host_bytes / 2**20:.1f} MiB: raise --host-mem")
         host_bytes -= self.buffer_bytes
         result = plan_node_auto(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
                                                             nvme_bytes=nvme_bytes), num_workers=num_workers,

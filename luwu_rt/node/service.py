@@ -41,7 +41,7 @@ import torch
 
 from .config import NodeConfig
 from .manifest import difference, job_id
-from .protocol import DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode
+from .protocol import CREDIT_CHUNKS, DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode
 from .runner import NodeRunner
 from .shards import NormHub, NormLink, pack_norms, unpack_norms
 from .snapshot import latest_snapshot, unit_states, write_snapshot
@@ -182,7 +182,7 @@ class NodeService:
             if self.runner is not None:
                 self.runner.pushes.heard[rank] = time.monotonic()
             if msg.type == T.INIT:
-                self._init_chunk(msg)
+                self._init_chunk(identity, msg)
             elif msg.type == T.HEARTBEAT:
                 if msg.flags & F.BYE:
                     self.byes.add(rank)
@@ -271,7 +271,7 @@ class NodeService:
         else:
             self._maybe_start()
 
-    def _init_chunk(self, msg: Message) -> None:
+    def _init_chunk(self, identity: bytes, msg: Message) -> None:
         runner = self.runner
         if self.welcomed or msg.rank != 0 or runner is None:
             raise ProtocolError("init", "initial state comes from worker 0 before the first step")
@@ -295,6 +295,8 @@ class NodeService:
                 self._init.pop(key, None)
             else:
                 self._init[key] = (buf, got)
+            self._reply(identity, Message(T.ACK, job=self.job, rank=0, unit=msg.unit, chunk=msg.chunk,
+                                          offset=msg.offset, epoch=self.epoch))  # the worker's credit back
         if msg.flags & F.LAST:
             self._init_done = True
             self._maybe_start()
@@ -433,6 +435,14 @@ class NodeService:
             self.error = exc
         self.done_steps.set()
         self._notify()
+        # After the last step the workers may still checkpoint it ([Note: between two steps]).
+        while self.error is None and not self._stopping.is_set() and len(self.byes) < self.config.num_workers:
+            try:
+                item = self._between.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if item[0] == "state":
+                self._read_state(item[1], item[2])
 
     def _maybe_snapshot(self) -> None:
         """Between two steps, every ``snapshot_every`` steps ([Note: node snapshots] in snapshot.py)."""
@@ -503,6 +513,8 @@ class NodeService:
         router.setsockopt(zmq.LINGER, 2000)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker takes over its identity
         router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + 4096)
+        # Per peer: its credit's chunks and room for small messages; beyond that a peer waits in TCP.
+        router.setsockopt(zmq.RCVHWM, CREDIT_CHUNKS + 64)
         authenticator, monitor = self._secure(ctx, router)
         router.bind(self.config.bind)
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)  # the port the system picked for a ``*``

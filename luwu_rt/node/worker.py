@@ -79,10 +79,8 @@ class NodeWorker:
         """Step -> the batch ``train_step`` was given, for replays ([Note: a node that restarts])."""
         self._snapshot_every = 0
         """The node's --snapshot-every, from its WELCOME."""
-        self.node_spans: list = []
-        """The node's op spans of the run's last step: its own process row in ``--trace`` (shard 0's)."""
         self.shard_spans: list[list] = []
-        """Every node shard's spans of the last step, in shard order."""
+        """Every node shard's op spans of the run's last step, in shard order: their rows in ``--trace``."""
 
     def keep_initial(self, unit: int, states: dict[str, torch.Tensor]) -> None:
         """The optimizer states of a unit that the engine wrote: worker 0 keeps them for the node."""
@@ -198,7 +196,6 @@ class NodeWorker:
             from luwu_rt.exec import Span
 
             self.shard_spans = [[Span(*x) for x in st.get("spans", ())] for st in every]
-            self.node_spans = self.shard_spans[0]
         if stats["skipped"]:  # the node skipped the update (a non-finite norm): so does the worker's count
             self.engine._skip = True
             self.engine.adam_step -= 1

@@ -65,6 +65,7 @@ def save_then_resume(rank: int, first: str, second: str, directory: str) -> dict
             losses.append(engine.train_step()["loss"])
             if engine.step == SAVE_AT:
                 path = engine.save(directory)
+        last = engine.save(directory)  # after the node's last step too
     with Engine.load(path, overrides={"strategy": "node", "node": second}) as engine:
         resumed = [engine.train_step()["loss"] for _ in range(engine.step, STEPS)]
-    return {"losses": losses, "resumed": resumed, "path": str(path)}
+    return {"losses": losses, "resumed": resumed, "path": str(path), "last": str(last)}

@@ -1,11 +1,9 @@
 """Checkpoints of strategy node ([Note: between two steps] in luwu_rt/node/service.py): two workers save at
-step 5 while the optimizer state lives on the node; the checkpoint holds it (read from the node), resumes
-against a fresh node with the uninterrupted run's losses bit for bit, and resumes as a single-process
-``local`` run on the global batch within 1e-5 relative."""
+step 5 and after the node's last step while the optimizer state lives on the node; the checkpoint holds it
+(read from the node), resumes against a fresh node with the uninterrupted run's losses bit for bit, and
+resumes as a single-process ``local`` run on the global batch within 1e-5 relative."""
 
 from __future__ import annotations
-
-import pytest
 
 import node_jobs
 from rank_jobs import SAVE_AT
@@ -28,7 +26,8 @@ def test_a_node_run_checkpoints_and_resumes_on_a_node_and_locally(tmp_path, monk
     run = results[0]
     assert results[1]["losses"] == run["losses"]
     assert run["resumed"] == run["losses"][SAVE_AT:], "resuming on a node repeats the run bit for bit"
-    assert verify_checkpoint(CheckpointReader(run["path"]), read_data=True) > 0
+    for path in (run["path"], run["last"]):
+        assert verify_checkpoint(CheckpointReader(path), read_data=True) > 0
     with Engine.load(run["path"], overrides={"strategy": "local", "batch_size": 2 * WORKERS}) as engine:
         local = [engine.train_step()["loss"] for _ in range(engine.step, node_jobs.STEPS)]
     worst = max(abs(a - b) / abs(b) for a, b in zip(local, run["losses"][SAVE_AT:]))

@@ -118,18 +118,22 @@ def test_two_workers_and_a_node_equal_the_single_process_run(local_losses, tmp_p
 
 
 def test_luwu_train_spawn_node_runs_and_stops_the_node(tmp_path):
-    """The one-command try-out: two workers and a spawned node; the node exits when training ends. Its
-    ``--trace`` has the node's queues as a process row of their own, after the ranks'."""
+    """The one-command try-out: two workers and two spawned node shards; the shards exit when training
+    ends, after the final checkpoint read the optimizer state from them. ``--trace`` has each shard's
+    queues as a process row of its own, after the ranks'."""
     env = {**os.environ, CHAOS_ENV: ""}
     out = subprocess.run([sys.executable, "-m", "luwu_rt", "train", "--strategy", "node", "--nproc", "2",
-                          "--spawn-node", "--steps", "2", "--batch-size", "1", "--seq-len", "16", "--eval-every", "0",
-                          "--keep-graphs", "none", "--quiet", "--timeout", "60", "--trace", "t.json"],
+                          "--spawn-node", "--node-shards", "2", "--steps", "2", "--batch-size", "1", "--seq-len", "16",
+                          "--eval-every", "0", "--keep-graphs", "none", "--quiet", "--timeout", "60", "--trace",
+                          "t.json", "--ckpt-dir", "ck"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "strategy node on 2 ranks" in out.stdout + out.stderr
-    assert "luwu node: done: 2 steps" in out.stderr, out.stderr[-3000:]
+    assert out.stderr.count("luwu node: done: 2 steps") == 2, out.stderr[-3000:]
+    assert (tmp_path / "ck" / "step_00000002").is_dir()
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert rows == {0: "rank 0", 1: "rank 1", 2: "optimizer node"}, rows
-    node_queues = {e["tid"] for e in events if e["ph"] == "X" and e["pid"] == 2}
-    assert {"push", "optim", "pull"} <= node_queues, node_queues
+    assert rows == {0: "rank 0", 1: "rank 1", 2: "optimizer node 0/2", 3: "optimizer node 1/2"}, rows
+    for pid in (2, 3):
+        node_queues = {e["tid"] for e in events if e["ph"] == "X" and e["pid"] == pid}
+        assert {"push", "optim", "pull", "reduce"} <= node_queues, node_queues

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -210,3 +211,40 @@ def test_a_node_without_the_runs_snapshot_refuses_a_rejoin() -> None:
     reply = decode(frames)
     assert identity == b"w0" and reply.type == T.ERROR and service.manifest is None
     assert "holds no snapshot" in bytes(reply.payload).decode() and service.rejects["hello"] == 1
+
+
+def test_a_client_keeps_at_most_its_credit_unacknowledged() -> None:
+    """Byte-credit flow control ([Note: byte credits] in client.py): a push of 10 chunks sends CREDIT_CHUNKS of
+    them, then one more per ACK; a duplicate ACK gives nothing back twice."""
+    import threading
+
+    from luwu_rt.node.client import NodeClient
+    from luwu_rt.node.protocol import CREDIT_CHUNKS
+
+    client = NodeClient("tcp://127.0.0.1:1", rank=0, timeout_s=30.0, chunk_bytes=CHUNK)
+    sent: list[Message] = []
+    try:
+        client._send = lambda msg, flush=True: sent.append(msg)
+        data = torch.zeros(10 * CHUNK // 4)
+        pusher = threading.Thread(target=client.push, args=(1, 0, [(0, data)]), daemon=True)
+        pusher.start()
+        time.sleep(0.3)
+        assert len(sent) == CREDIT_CHUNKS and pusher.is_alive()
+
+        def ack(m: Message) -> None:
+            client.last_heard = time.monotonic()
+            client._receive(encode(Message(T.ACK, step=m.step, unit=m.unit, chunk=m.chunk, offset=m.offset)))
+
+        ack(sent[0])
+        ack(sent[0])  # a duplicate ACK
+        time.sleep(0.3)
+        assert len(sent) == CREDIT_CHUNKS + 1
+        for i in range(1, 10):
+            ack(sent[i])
+            deadline = time.monotonic() + 5
+            while len(sent) < min(10, i + 1 + CREDIT_CHUNKS) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        pusher.join(5)
+        assert not pusher.is_alive() and len(sent) == 10 and client._inflight == 0
+    finally:
+        client.close(bye=False)
