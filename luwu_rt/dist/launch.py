@@ -254,7 +254,7 @@ def _die_with_launcher() -> None:
 
 def run_rank(train: Callable[[], int], *, timeout_s: float) -> int:
     """Runs ``train`` as one rank of a multi-rank run: joins the process group (``timeout_s`` for every
-    collective), starts the heartbeat, and returns what ``train`` returns. When it raises (anything but
+    collective), starts the heartbeat, and ends the process with what ``train`` returns. When it raises (anything but
     KeyboardInterrupt), prints ``luwu: rank R: <why>`` naming the rank that failed or stopped, and ends
     the process at once with code 1: queue threads may be stuck in collectives, and a normal interpreter
     exit would wait for them."""
@@ -279,4 +279,9 @@ def run_rank(train: Callable[[], int], *, timeout_s: float) -> int:
         sys.stderr.flush()
         os._exit(1)
     health.stop()
-    return code
+    # The rank's work is done and saved (the engine closed, its outputs written): end the process here.
+    # In the interpreter's exit, native threads (gloo's) were now and then destroyed still joinable, and
+    # a rank that had finished cleanly died of SIGABRT ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

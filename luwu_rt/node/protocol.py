@@ -7,8 +7,8 @@ is ``HEADER`` below, little endian, 56 bytes. ``decode`` checks, in order and
 before it reads a byte of the payload: the frame count, the header's length,
 magic, version, type, dtype and flags, the size cap, that the payload frame is
 exactly ``nbytes`` long and that offset and size are whole elements; only then
-the payload's CRC-32C (``_C.crc32c``: the SSE4.2 instruction, twice zlib's
-CRC32 and without the GIL). Over CURVE every frame already carries a Poly1305 MAC, so
+the payload's CRC-32C (``_C.crc32c``: three interleaved streams of the SSE4.2
+instruction, about 4x zlib's CRC32, without the GIL). Over CURVE every frame already carries a Poly1305 MAC, so
 both sides send flag ``UNCHECKED`` and skip the CRC there (two passes over every
 byte: half the throughput, benchmarks/results/2026-12-03-node.md); a receiver
 accepts ``UNCHECKED`` only on an authenticated transport (``trusted``). Anything wrong raises ``ProtocolError`` carrying a short
