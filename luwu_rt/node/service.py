@@ -83,8 +83,8 @@ class NodeService:
         self._outbox: list[tuple[bytes, list]] = []
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._between: queue.SimpleQueue = queue.SimpleQueue()
-        self._begun = 0
         """BEGINs and GET_STATEs, for the steps thread between two steps ([Note: between two steps])."""
+        self._begun = 0
         self._wake = None
         self._wake_lock = threading.Lock()
         self.address = config.bind
@@ -355,13 +355,13 @@ class NodeService:
                      **fields) -> None:
         """``buf``'s bytes as messages of at most one chunk each, ``LAST`` on the final one; ``chunk`` is
         the message's index, or ``index`` (a state's, for STATE)."""
-        step = self.runner.model.chunk_bytes
+        size = self.runner.model.chunk_bytes
         data = memoryview(buf.view(torch.uint8).numpy())
-        for i, offset in enumerate(range(0, len(data), step)):
-            last = offset + step >= len(data)
+        for i, offset in enumerate(range(0, len(data), size)):
+            last = offset + size >= len(data)
             self._reply(identity, Message(kind, flags=F.LAST if last else 0, job=self.job, epoch=self.epoch,
                                           chunk=i if index is None else index, offset=offset,
-                                          payload=data[offset : offset + step], **fields))
+                                          payload=data[offset : offset + size], **fields))
 
     # -- between two steps ------------------------------------------------------------------------
 
@@ -370,14 +370,15 @@ class NodeService:
             self._begun = step
             self._between.put(("begin", step))
 
-    def _await_begin(self, step: int) -> None:
-        """[Note: between two steps]: serves the GET_STATEs of a checkpoint until a worker BEGINs ``step``."""
+    def _between_steps(self, step: int | None) -> None:
+        """[Note: between two steps]: serves the GET_STATEs of a checkpoint until a worker BEGINs ``step``;
+        ``None``: after the last step, until every worker said BYE."""
         deadline = time.monotonic() + self.config.timeout
-        while True:
+        while step is not None or not (self._stopping.is_set() or len(self.byes) >= self.config.num_workers):
             try:
-                item = self._between.get(timeout=1.0)
+                item = self._between.get(timeout=0.2)
             except queue.Empty:
-                if time.monotonic() > deadline:
+                if step is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"optimizer node: no worker began step {step} within {self.config.timeout:g}s "
                                        f"after step {step - 1}; the workers died or hung - see their logs, or raise "
                                        f"--timeout") from None
@@ -415,7 +416,7 @@ class NodeService:
         runner = self.runner
         try:
             while runner.step < int(self.manifest["steps"]):
-                self._await_begin(runner.step + 1)
+                self._between_steps(runner.step + 1)
                 m = runner.run_step()
                 stats = {"step": m["step"], "grad_norm": m["grad_norm"], "skipped": m["skipped"]}
                 if m["step"] == int(self.manifest["steps"]):  # the run's last: for the workers' --trace
@@ -435,14 +436,8 @@ class NodeService:
             self.error = exc
         self.done_steps.set()
         self._notify()
-        # After the last step the workers may still checkpoint it ([Note: between two steps]).
-        while self.error is None and not self._stopping.is_set() and len(self.byes) < self.config.num_workers:
-            try:
-                item = self._between.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if item[0] == "state":
-                self._read_state(item[1], item[2])
+        if self.error is None:  # after the last step the workers may still checkpoint it
+            self._between_steps(None)
 
     def _maybe_snapshot(self) -> None:
         """Between two steps, every ``snapshot_every`` steps ([Note: node snapshots] in snapshot.py)."""
