@@ -373,7 +373,7 @@ class _Peer:
         raise RuntimeError("; ".join(errors))
 
     def __call__(self, batch) -> float:
-        from luwu_rt.engine.schedule import lr_at
+        from luwu_rt.optim.schedule import lr_at
 
         self.count += 1
         for group in self.opt.param_groups:

@@ -40,7 +40,7 @@ from report import cpu_model, emit  # benchmarks/report.py
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
-from luwu_rt.engine.schedule import lr_at
+from luwu_rt.optim.schedule import lr_at
 from luwu_rt.models.gpt import build_gpt
 
 P5_TARGET = 1.15

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _resolve(path: str):
     from pathlib import Path
 
-    from luwu_rt.engine.checkpoint import MANIFEST, latest_checkpoint
+    from luwu_rt.ckpt.format import MANIFEST, latest_checkpoint
 
     p = Path(path)
     if (p / MANIFEST).exists():
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from luwu_rt.engine.checkpoint import CheckpointReader, list_checkpoints
+    from luwu_rt.ckpt.format import CheckpointReader, list_checkpoints
 
     if args.action == "list":
         if not Path(args.path).is_dir():
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     path = _resolve(args.path)
     if args.action == "verify":
-        from luwu_rt.engine.save import verify_checkpoint
+        from luwu_rt.ckpt.save import verify_checkpoint
 
         # Complete, consistent with its model, and every checksum (raises naming the path on a mismatch).
         count = verify_checkpoint(CheckpointReader(path), read_data=True)
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("export needs --out FILE (e.g. model.safetensors), or --format hf --out DIR")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.format == "hf":
-        from luwu_rt.engine.export_hf import export_hf
+        from luwu_rt.ckpt.export_hf import export_hf
         from luwu_rt.plan import parse_size
 
         try:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-shard-size {args.max_shard_size}: {exc}") from None
         print(export_hf(path, args.out, dtype=dtype, max_shard_bytes=shard))
         return 0
-    from luwu_rt.engine.export import export
+    from luwu_rt.ckpt.export import export
 
     print(export(path, args.out, dtype=dtype))
     return 0

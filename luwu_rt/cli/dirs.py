@@ -56,7 +56,7 @@ def created_dir(path: str | os.PathLike, *, flag: str) -> Iterator[Path]:
     """``path`` as a working directory of a command that keeps nothing in it: created (and said) when
     missing, and what was created removed when the block ends, however it ends ([Note: missing
     directories])."""
-    from luwu_rt.engine.locks import writable_dir
+    from luwu_rt.fs import writable_dir
 
     made = _missing_top(Path(path))
     try:

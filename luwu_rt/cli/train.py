@@ -139,9 +139,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _build(args: argparse.Namespace):
     from luwu_rt.config import from_mapping, load_toml, merge
     from luwu_rt.engine import Engine, TrainConfig
-    from luwu_rt.engine.checkpoint import CheckpointReader
-    from luwu_rt.engine.locks import lock_dir, writable_dir
-    from luwu_rt.engine.resume import check_steps, choose_checkpoint
+    from luwu_rt.ckpt.format import CheckpointReader
+    from luwu_rt.fs import lock_dir, writable_dir
+    from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
 
     settings = merge(load_toml(args.config) if args.config else {}, _overrides(args))
     config = from_mapping(TrainConfig, settings)
@@ -263,7 +263,7 @@ def _scratch_nvme_dir(args: argparse.Namespace) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from luwu_rt.engine.interrupt import StopRequest, test_hook
+    from luwu_rt.interrupt import StopRequest, test_hook
 
     world_size = int(os.environ.get("WORLD_SIZE") or 1)
     if getattr(args, "node_shards", 1) != 1 and not getattr(args, "spawn_node", False):
@@ -290,8 +290,15 @@ def run(args: argparse.Namespace) -> int:
                 test_hook("start", 1)
                 return _run(args, world_size)
             finally:
-                args.stop_request.finish()
+                # In the `luwu` process itself (not a caller's process) signals stay ignored from here on.
+                args.stop_request.finish(ignore_signals=getattr(sys.modules.get("__main__"), "main", None) is _cli_main())
         return _run(args, world_size)
+
+
+def _cli_main():
+    from luwu_rt.cli.main import main
+
+    return main
 
 
 def _run(args: argparse.Namespace, world_size: int) -> int:
@@ -364,7 +371,7 @@ def _train(engine, args: argparse.Namespace) -> int:
 
     from luwu_rt.dist import health
 
-    from luwu_rt.engine.interrupt import wrap_handlers
+    from luwu_rt.interrupt import wrap_handlers
 
     c = engine.config
     first = engine.world.rank == 0  # metrics are global: only the first rank reports them

@@ -206,7 +206,7 @@ def launch(command: Sequence[str], nproc: int, *, timeout_s: float, env: dict[st
         store.set(health.INTERRUPTED_KEY, "1")
         _signal_groups([p for p in procs if p.poll() is None], signal.SIGINT)
         try:
-            # The ranks finish their step and save it ([Note: interrupting a run] in engine/interrupt.py): they
+            # The ranks finish their step and save it ([Note: interrupting a run] in interrupt.py): they
             # get the run's timeout for that; a second Ctrl-C kills them at once.
             _wait_all(procs, max(_INTERRUPT_GRACE_S, timeout_s))
         except (KeyboardInterrupt, _Interrupted):

@@ -51,12 +51,12 @@ from torch import nn
 from luwu_rt.config import from_mapping, merge
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
-from luwu_rt.engine.checkpoint import CheckpointReader, run_checkpoints
+from luwu_rt.ckpt.format import CheckpointReader, run_checkpoints
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
-from luwu_rt.engine.locks import writable_dir
-from luwu_rt.engine.save import PERSISTENT, save_checkpoint, verify_checkpoint
-from luwu_rt.engine.schedule import lr_at
+from luwu_rt.fs import writable_dir
+from luwu_rt.ckpt.save import PERSISTENT, save_checkpoint, verify_checkpoint
+from luwu_rt.optim.schedule import lr_at
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
 from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Queues, Span
@@ -363,10 +363,10 @@ class Engine:
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Writes a checkpoint of the current step under ``directory`` (atomically); returns its path. With
-        several ranks every rank calls it ([Note: checkpoints of several ranks] in checkpoint.py)."""
+        several ranks every rank calls it ([Note: checkpoints of several ranks] in ckpt/format.py)."""
         path = save_checkpoint(self, directory)
         if self.world.rank == 0:
-            # Only this run's checkpoints ([Note: one run per checkpoint directory] in resume.py).
+            # Only this run's checkpoints ([Note: one run per checkpoint directory] in ckpt/resume.py).
             keep = self.config.checkpoint.keep
             for old in run_checkpoints(directory, self.run_id)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from luwu_rt.engine.schedule import lr_at
+from luwu_rt.optim.schedule import lr_at
 from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers
 from luwu_rt.exec.chaos import Chaos
 from luwu_rt.plan import Budgets, Placement, plan_node_auto, validate

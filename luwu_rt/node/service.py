@@ -16,7 +16,7 @@ thread runs the next plan: it waits for the first worker's BEGIN of the next
 step (sent as the worker starts it, so the node's reads ahead still overlap the
 workers' forward), and meanwhile answers GET_STATE - a checkpoint's reads of
 the optimizer state - from the quiet store. Workers checkpoint all together
-between two steps ([Note: checkpoints of several ranks] in engine/checkpoint.py),
+between two steps ([Note: checkpoints of several ranks] in ckpt/format.py),
 so no BEGIN comes until they are done.
 
 Phases: until every worker said HELLO with one manifest and worker 0 sent the

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from luwu_rt.engine.checkpoint import fsync_dir
+from luwu_rt.fs import fsync_dir
 
 from .protocol import INIT_STATES
 

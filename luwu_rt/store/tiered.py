@@ -87,7 +87,7 @@ class TieredStore:
             raise ValueError("the plan keeps state on NVMe but no NVMe directory was given; pass --nvme-dir")
         from luwu_rt.io import IOEngine
 
-        from luwu_rt.engine.locks import lock_dir
+        from luwu_rt.fs import lock_dir
 
         root = Path(nvme_root)
         # Before the tier is wiped: another run's live state must not go ([Note: directory locks]).

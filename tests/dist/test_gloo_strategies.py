@@ -127,7 +127,7 @@ def test_checkpoints_move_between_numbers_of_ranks_and_strategies(reference, ckp
     # Exported, the zero3 run's slices are one ordinary state dict, equal to the single-process run's.
     import torch
 
-    from luwu_rt.engine.export import export_state_dict
+    from luwu_rt.ckpt.export import export_state_dict
 
     sharded, whole = export_state_dict(zero3_ckpt), export_state_dict(local_ckpt)
     assert sharded.keys() == whole.keys()

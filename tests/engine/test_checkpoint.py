@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from luwu_rt.engine.checkpoint import (
+from luwu_rt.ckpt.format import (
     CheckpointReader,
     CheckpointWriter,
     latest_checkpoint,
@@ -66,7 +66,7 @@ def test_kill_during_write_keeps_previous_checkpoint(tmp_path) -> None:
     _save(tmp_path, 1, 1.0)
     script = textwrap.dedent(f"""
         import torch, sys
-        from luwu_rt.engine.checkpoint import CheckpointWriter
+        from luwu_rt.ckpt.format import CheckpointWriter
         w = CheckpointWriter({str(tmp_path)!r}, step=2)
         for i in range(10**6):
             w.add(f"t{{i}}", torch.full((4096,), float(i)))
@@ -95,7 +95,7 @@ def test_export_loads_into_the_plain_model(tmp_path) -> None:
 
     from luwu_rt.config import from_mapping
     from luwu_rt.engine import Engine, TrainConfig
-    from luwu_rt.engine.export import export
+    from luwu_rt.ckpt.export import export
     from luwu_rt.models.gpt import build_gpt
 
     config = from_mapping(TrainConfig, {"steps": 2, "batch_size": 2, "seq_len": 16,

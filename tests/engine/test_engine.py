@@ -11,7 +11,7 @@ import torch
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
-from luwu_rt.engine.schedule import lr_at
+from luwu_rt.optim.schedule import lr_at
 from luwu_rt.engine.workload import device_budget
 from luwu_rt.exec import Queues
 from luwu_rt.models.gpt import build_gpt

@@ -7,7 +7,7 @@ import torch
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
-from luwu_rt.engine.export import export, load_export
+from luwu_rt.ckpt.export import export, load_export
 from luwu_rt.models.gpt import build_gpt
 
 

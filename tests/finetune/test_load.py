@@ -98,7 +98,7 @@ def test_hf_path_without_a_config_is_refused(tmp_path) -> None:
 
 
 def test_init_from_this_projects_export(tmp_path) -> None:
-    from luwu_rt.engine.export import export
+    from luwu_rt.ckpt.export import export
 
     config = _config(model="gpt-tiny", seed=5, checkpoint={"dir": str(tmp_path / "ckpt")})
     with Engine(None, config) as trained:

@@ -9,7 +9,7 @@ import torch
 
 from luwu_rt.data import BatchSampler, DataConfig, load_tokens
 from luwu_rt.engine import TrainConfig
-from luwu_rt.engine.schedule import lr_at
+from luwu_rt.optim.schedule import lr_at
 
 from .conftest import VOCAB, transformers
 

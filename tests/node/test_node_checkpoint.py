@@ -11,8 +11,8 @@ from ranks import run_ranks
 from test_node_training import Node
 
 from luwu_rt.engine import Engine
-from luwu_rt.engine.checkpoint import CheckpointReader
-from luwu_rt.engine.save import verify_checkpoint
+from luwu_rt.ckpt.format import CheckpointReader
+from luwu_rt.ckpt.save import verify_checkpoint
 from luwu_rt.exec.chaos import CHAOS_ENV
 
 WORKERS = 2

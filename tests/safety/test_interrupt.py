@@ -1,6 +1,6 @@
 """Issue 12, case 2: Ctrl-C and SIGTERM stop `luwu train` cleanly at a step boundary, with a checkpoint.
 
-A test hook (LUWU_TEST_SIGNAL_AT, luwu_rt/engine/interrupt.py) makes the run send itself SIGINT at a
+A test hook (LUWU_TEST_SIGNAL_AT, luwu_rt/interrupt.py) makes the run send itself SIGINT at a
 named phase of a chosen step, so every phase is hit on every run; the resumed run must then go on
 exactly as one that was never interrupted (the same losses, bit for bit, and the same final weights).
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safety_common import SMALL, losses, luwu
 
-from luwu_rt.engine.checkpoint import CheckpointReader, list_checkpoints
+from luwu_rt.ckpt.format import CheckpointReader, list_checkpoints
 
 STEPS = 4
 

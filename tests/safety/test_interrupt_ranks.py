@@ -5,8 +5,8 @@ import os
 
 from safety_common import SMALL, losses, luwu
 
-from luwu_rt.engine.checkpoint import CheckpointReader, list_checkpoints
-from luwu_rt.engine.save import verify_checkpoint
+from luwu_rt.ckpt.format import CheckpointReader, list_checkpoints
+from luwu_rt.ckpt.save import verify_checkpoint
 
 
 def test_sigint_on_one_rank_stops_both_after_one_step(tmp_path) -> None:

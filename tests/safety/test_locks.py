@@ -8,7 +8,7 @@ import time
 import pytest
 from safety_common import SMALL, luwu, one_line_error
 
-from luwu_rt.engine.locks import LOCK_FILE, lock_dir
+from luwu_rt.fs import LOCK_FILE, lock_dir
 
 
 def test_second_run_on_the_same_directories_is_refused(tmp_path) -> None:
@@ -38,7 +38,7 @@ def test_lock_is_counted_within_a_process_and_freed_by_death(tmp_path) -> None:
     a = lock_dir(tmp_path, flag="--ckpt-dir")
     b = lock_dir(tmp_path, flag="--ckpt-dir")  # the CLI and Engine.save of one process share it
     assert a is b and (tmp_path / LOCK_FILE).read_text().strip() == str(os.getpid())
-    other = [sys.executable, "-c", "import sys; from luwu_rt.engine.locks import lock_dir; "
+    other = [sys.executable, "-c", "import sys; from luwu_rt.fs import lock_dir; "
              "lock_dir(sys.argv[1], flag='--ckpt-dir')", str(tmp_path)]
     b.release()
     r = subprocess.run(other, capture_output=True, text=True)

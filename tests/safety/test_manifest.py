@@ -14,8 +14,8 @@ import pytest
 from safety_common import SMALL, luwu, one_line_error
 
 from luwu_rt.engine import Engine, TrainConfig
-from luwu_rt.engine.checkpoint import MANIFEST, CheckpointReader, _manifest_crc
-from luwu_rt.engine.save import verify_checkpoint
+from luwu_rt.ckpt.format import MANIFEST, CheckpointReader, _manifest_crc
+from luwu_rt.ckpt.save import verify_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 from safety_common import SMALL, luwu, one_line_error
 
 from luwu_rt.engine import Engine, TrainConfig
-from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, list_checkpoints
+from luwu_rt.ckpt.format import CheckpointReader, CheckpointWriter, list_checkpoints
 from luwu_rt.engine.config import CheckpointConfig
 
 

@@ -4,7 +4,7 @@ import json
 
 from safety_common import SMALL, luwu, one_line_error
 
-from luwu_rt.engine.checkpoint import MANIFEST, CheckpointReader, list_checkpoints
+from luwu_rt.ckpt.format import MANIFEST, CheckpointReader, list_checkpoints
 
 
 def test_resume_cases(tmp_path) -> None:

@@ -6,7 +6,7 @@ from safety_common import SMALL, luwu, one_line_error
 
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import TrainConfig
-from luwu_rt.engine.checkpoint import CheckpointWriter
+from luwu_rt.ckpt.format import CheckpointWriter
 
 
 def test_outputs_are_checked_before_the_first_step(tmp_path) -> None:

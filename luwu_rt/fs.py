@@ -1,4 +1,5 @@
-"""Advisory directory locks: one run at a time in an NVMe tier or checkpoint directory.
+"""File-system helpers: advisory directory locks (one run at a time in an NVMe tier or checkpoint
+directory), writable-directory checks and durable renames (``fsync_dir``).
 
 [Note: directory locks]
 A run that shares a directory with another one destroys it: the NVMe tier is
@@ -26,7 +27,7 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["LOCK_FILE", "DirLock", "lock_dir", "writable_dir"]
+__all__ = ["LOCK_FILE", "DirLock", "fsync_dir", "lock_dir", "writable_dir"]
 
 LOCK_FILE = ".luwu.lock"
 
@@ -100,3 +101,12 @@ def lock_dir(path: str | os.PathLike, *, flag: str) -> DirLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         lock = _held[directory] = DirLock(directory, fd)
         return lock
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Makes the entries of directory ``path`` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -2,7 +2,7 @@
 
 Each rank writes what it alone holds of the first replica: the slices of the
 states its strategy shards, and (rank 0) the replicated ones; rank 0 commits
-([Note: checkpoints of several ranks] in checkpoint.py). Every phase runs
+([Note: checkpoints of several ranks] in ckpt/format.py). Every phase runs
 through ``World.together``: a rank that fails (a full disk) makes every rank
 raise, and rank 0 removes the partial directory, so nothing half-written is
 ever visible and no rank waits for a peer that gave up.
@@ -13,16 +13,13 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from luwu_rt.engine import interrupt
-from luwu_rt.engine.checkpoint import CheckpointReader, CheckpointWriter, new_run_id, slice_name
+from luwu_rt import interrupt
+from luwu_rt.ckpt.format import CheckpointReader, CheckpointWriter, new_run_id, slice_name
 from luwu_rt.plan.spec import ceil_div
-
-if TYPE_CHECKING:
-    from luwu_rt.engine.engine import Engine
 
 __all__ = ["PERSISTENT", "save_checkpoint", "verify_checkpoint"]
 
@@ -30,7 +27,7 @@ PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _my_tensors(engine: "Engine") -> list[tuple[str, int, str, int]]:
+def _my_tensors(engine: Any) -> list[tuple[str, int, str, int]]:
     """``(name, unit, state, numel)`` of the tensors this rank writes."""
     strategy, rank = engine.strategy, engine.world.rank
     ways = strategy.shard_ways
@@ -46,10 +43,10 @@ def _my_tensors(engine: "Engine") -> list[tuple[str, int, str, int]]:
     return out
 
 
-def _lock(engine: "Engine", directory: str | os.PathLike) -> None:
+def _lock(engine: Any, directory: str | os.PathLike) -> None:
     """Rank 0 holds the checkpoint directory's lock from its first save until ``Engine.close``
-    ([Note: directory locks] in locks.py): the writer removes leftover partial directories."""
-    from luwu_rt.engine.locks import lock_dir
+    ([Note: directory locks] in fs.py): the writer removes leftover partial directories."""
+    from luwu_rt.fs import lock_dir
 
     locks = engine.__dict__.setdefault("_dir_locks", {})
     key = str(Path(directory).resolve())
@@ -57,7 +54,7 @@ def _lock(engine: "Engine", directory: str | os.PathLike) -> None:
         locks[key] = lock_dir(directory, flag="--ckpt-dir")
 
 
-def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> Path:
+def save_checkpoint(engine: Any, directory: str | os.PathLike) -> Path:
     """Writes ``<directory>/step_<N>`` of ``engine``'s current step; every rank calls it."""
     world = engine.world
     writers: list[CheckpointWriter] = []

@@ -2,7 +2,7 @@
 
 [Note: one run per checkpoint directory]
 A checkpoint directory belongs to one run: every checkpoint records its run id
-([Note: the manifest protects itself] in checkpoint.py), retention deletes only
+([Note: the manifest protects itself] in ckpt/format.py), retention deletes only
 the run's own checkpoints, and a run that does not resume refuses a directory
 that already holds checkpoints (naming the run and its last step) instead of
 writing beside them, where ``--resume`` would later pick the highest step
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from luwu_rt.engine.checkpoint import MANIFEST, CheckpointReader, list_checkpoints
-from luwu_rt.engine.save import verify_checkpoint
+from luwu_rt.ckpt.format import MANIFEST, CheckpointReader, list_checkpoints
+from luwu_rt.ckpt.save import verify_checkpoint
 
 __all__ = ["check_steps", "choose_checkpoint"]
 

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from luwu_rt.fs import fsync_dir
+
 __all__ = ["CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints", "new_run_id", "run_checkpoints",
            "slice_name"]
 
@@ -81,15 +83,6 @@ def _manifest_crc(manifest: dict[str, Any]) -> int:
 def _io_error(exc: OSError, doing: str, path: Path) -> OSError:
     """``exc`` as one line naming the operation and the path (a full disk says which one)."""
     return OSError(exc.errno, f"{doing} failed: {exc.strerror}", str(path))
-
-
-def fsync_dir(path: Path) -> None:
-    """Makes the entries of directory ``path`` (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from luwu_rt.engine.checkpoint import CheckpointReader
+from luwu_rt.ckpt.format import CheckpointReader
 
 __all__ = ["export_hf"]
 

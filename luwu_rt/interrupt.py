@@ -52,18 +52,14 @@ class StopRequest:
             signal.signal(sig, old)
         self._old.clear()
 
-    def finish(self) -> None:
-        """The run is over (saved, threads joined). In the ``luwu`` process itself signals are ignored
-        from here on: interpreter shutdown resets Python's handlers to the default, and a Ctrl-C during
-        it would kill the finished process by SIGINT instead of letting it exit with its status. A
-        caller of the CLI in its own process gets its handlers back."""
-        import sys
-
-        from luwu_rt.cli import main as cli
-
+    def finish(self, *, ignore_signals: bool) -> None:
+        """The run is over (saved, threads joined). ``ignore_signals``: this process is the ``luwu`` command
+        itself, which ignores signals from here on: interpreter shutdown resets Python's handlers to the
+        default, and a Ctrl-C during it would kill the finished process by SIGINT instead of letting it
+        exit with its status. Otherwise (a caller of the CLI in its own process) the old handlers return."""
         if not self._old:
             return
-        if getattr(sys.modules.get("__main__"), "main", None) is cli.main:
+        if ignore_signals:
             for sig in self._old:
                 signal.signal(sig, signal.SIG_IGN)
             self._old.clear()
