@@ -1,7 +1,10 @@
 """P1 and P2 (PERFORMANCE.md): the fused AdamW step against the memory-traffic
-probe, DeepSpeedCPUAdam and torch's fused AdamW, in interleaved rounds.
+probe, DeepSpeedCPUAdam and torch's fused AdamW, in interleaved rounds; with
+``--device cuda``, P8: the CuPy and Numba CUDA kernels against the device's
+memory bandwidth (a device copy moving the same bytes) and torch's fused AdamW
+on the GPU.
 
-    .venv/bin/python benchmarks/bench_optim.py [--numel N] [--rounds R] [--out results.md]
+    .venv/bin/python benchmarks/bench_optim.py [--device cpu|cuda] [--numel N] [--rounds R] [--out results.md]
 
 Every ratio is the median over rounds of (ours / peer) measured in the same
 round. Peers missing from the environment are reported as such; our own
@@ -25,6 +28,15 @@ from luwu_rt.kernels.bench import OptimBench, OptimBenchConfig, RoundResults
 P1_TARGETS = [("cpp", "probe", 0.9), ("cpp", "deepspeed", 1.15), ("cpp", "torch-fused", 1.05),
               ("cpp-1MiB-chunks", "cpp", None)]  # no target: what chunk-sized calls cost
 P2_TARGETS = [("cpp", "deepspeed", 1.3)]
+P8_TARGETS = [("cupy", "probe", 0.9), ("numba-cuda", "probe", 0.9), ("cupy", "torch-fused", None),
+              ("numba-cuda", "torch-fused", None), ("cupy-1MiB-chunks", "cupy", None)]
+P8_LOW_TARGETS = [("cupy", "probe", 0.9), ("numba-cuda", "probe", 0.9), ("cupy", "torch-fused", None)]
+
+
+def _gpu() -> str:
+    props = torch.cuda.get_device_properties(0)
+    return (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs, CUDA "
+            f"{torch.version.cuda}")
 
 
 def _machine() -> str:
@@ -74,24 +86,40 @@ def _section(title: str, results: RoundResults, targets: list[tuple[str, str, fl
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: P1/P2 against the CPU peers; cuda: P8, the GPU kernels against the device's "
+                             "memory bandwidth")
+    parser.add_argument("--numel", type=int, default=None, help="parameters per step (default 64M; 256M on cuda)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     args = parser.parse_args()
-
-    p1 = _measure(OptimBenchConfig(numel=args.numel, num_rounds=args.rounds),
-                  ["probe", "cpp", "cpp-1MiB-chunks", "numba", "torch-fused", "torch-foreach", "deepspeed"])
-    p2 = _measure(OptimBenchConfig(numel=args.numel, grad_dtype="bf16", param_out="bf16", num_rounds=args.rounds),
-                  ["probe", "cpp", "numba", "torch-fused", "deepspeed"])
+    cuda = args.device == "cuda"
+    numel = args.numel or (256 if cuda else 64) * 1024 * 1024
+    if cuda:
+        first = _measure(OptimBenchConfig(numel=numel, num_rounds=args.rounds, device="cuda"),
+                         ["probe", "cupy", "cupy-1MiB-chunks", "numba-cuda", "torch-fused"])
+        second = _measure(OptimBenchConfig(numel=numel, grad_dtype="bf16", param_out="bf16", num_rounds=args.rounds,
+                                           device="cuda"), ["probe", "cupy", "numba-cuda", "torch-fused"])
+        title, machine = "P8: GPU AdamW kernels", f"{_gpu()}; host {_machine()}"
+        sections = [*_section("P8: fp32 AdamW on the GPU (fp32 grads, no copy-out)", first, P8_TARGETS),
+                    *_section("P8, low precision: bf16 grads in + bf16 param copy-out (torch: fp32 step + a "
+                              "separate bf16 cast)", second, P8_LOW_TARGETS)]
+    else:
+        first = _measure(OptimBenchConfig(numel=numel, num_rounds=args.rounds),
+                         ["probe", "cpp", "cpp-1MiB-chunks", "numba", "torch-fused", "torch-foreach", "deepspeed"])
+        second = _measure(OptimBenchConfig(numel=numel, grad_dtype="bf16", param_out="bf16", num_rounds=args.rounds),
+                          ["probe", "cpp", "numba", "torch-fused", "deepspeed"])
+        title, machine = "P1 / P2", _machine()
+        sections = [*_section("P1: fp32 AdamW (fp32 grads, no copy-out)", first, P1_TARGETS),
+                    *_section("P2: bf16 grads in + bf16 param copy-out (peers: fp32 step + separate bf16 cast)",
+                              second, P2_TARGETS)]
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# Fused AdamW step: P1 / P2 ({now})", "",
-             f"Machine: {_machine()}.", "",
-             f"{args.numel} fp32 parameters per step, {args.rounds} interleaved rounds (order rotated per round), "
+    lines = [f"# Fused AdamW step: {title} ({now})", "",
+             f"Machine: {machine}.", "",
+             f"{numel} fp32 parameters per step, {args.rounds} interleaved rounds (order rotated per round), "
              "each contestant timed 3 times per round (median kept). Command: "
-             f"`python benchmarks/bench_optim.py --numel {args.numel} --rounds {args.rounds}`.", "",
-             *_section("P1: fp32 AdamW (fp32 grads, no copy-out)", p1, P1_TARGETS),
-             *_section("P2: bf16 grads in + bf16 param copy-out (peers: fp32 step + separate bf16 cast)", p2,
-                       P2_TARGETS)]
+             f"`python benchmarks/bench_optim.py --device {args.device} --numel {numel} --rounds {args.rounds}`.", "",
+             *sections]
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -78,7 +78,20 @@ which has a meta kernel) whenever the CPU's own kernel choice,
 ``_fused_sdp_choice`` asked about data-free stand-ins of the same shapes,
 dtypes and flags, would pick it; otherwise the math kernel's bytes stand. A
 GPU picks flash or memory-efficient attention in more cases (dropout), which
-save the same, so there the estimate errs on the large side.
+save about the same ([Note: the estimate on a GPU]).
+
+[Note: the estimate on a GPU]
+Measured on an H200 (torch 2.11, CUDA 13), against the engine's own
+``kept_bytes`` (tests/engine/test_workload.py runs there): CUDA's fused
+attention keeps a Philox seed and offset (16 bytes per attention call) beside
+its logsumexp, and the memory-efficient kernel (fp32) pads that logsumexp to a
+multiple of 32 rows, so the estimate is short by up to
+batch x heads x 31 x 4 + 16 bytes per kept attention (2112 bytes for
+gpt-tiny's four blocks at 2 x 16 tokens; 64 in bf16, where flash attention
+pads nothing); a Dropout's mask is bool on CUDA where meta keeps it in the
+input's dtype, so there the estimate is long by itemsize - 1 bytes per
+element. Both are small beside what a GPU budget must leave room for anyway
+(the CUDA context, cuBLAS's workspace, the caching allocator's rounding).
 """
 
 from __future__ import annotations

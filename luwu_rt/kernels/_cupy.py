@@ -107,7 +107,15 @@ def _launch(name: str, param: torch.Tensor, args: tuple) -> None:
     blocks = min((n + _THREADS_PER_BLOCK - 1) // _THREADS_PER_BLOCK, 65536)
     kernel = _module().get_function(name)
     with cupy.cuda.Device(param.device.index or 0):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(param.device).cuda_stream)
+        current = torch.cuda.current_stream(param.device)
+        # cupy >= 14 takes the stream through the CUDA stream protocol; older ones by its handle.
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        try:
+            stream = from_external(current) if from_external is not None else None
+        except (TypeError, AttributeError, ValueError):  # a torch stream without the protocol
+            stream = None
+        if stream is None:
+            stream = cupy.cuda.ExternalStream(current.cuda_stream)
         kernel((blocks,), (_THREADS_PER_BLOCK,), args, stream=stream)
 
 

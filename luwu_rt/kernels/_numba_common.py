@@ -10,6 +10,8 @@ They mirror csrc/optim/kernel_body.h op for op, in float32.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from llvmlite import ir
@@ -120,7 +122,10 @@ def adam_elem(p, g, m, v, l2, decay, wd, lerp_w, small, beta2, omb2, bc2s, eps, 
     m = fma32(lerp_w, g - m, m if small else g)
     v = v * beta2
     v = fma32(omb2 * g, g, v)  # torch's addcmul is fmadd(value * t1, t2, self)
-    denom = np.sqrt(v) / bc2s + eps
+    # math.sqrt, not np.sqrt: numba's CUDA target reaches np.sqrt through its ufunc table, which some
+    # numba-cuda/numpy pairs lack (KeyError: <ufunc 'sqrt'>, seen on an H200 image). sqrt taken in double and
+    # rounded to float32 is the correctly rounded float32 sqrt, bit for bit what np.sqrt gives.
+    denom = np.float32(math.sqrt(v)) / bc2s + eps
     p = p + (nss * m) / denom
     return p, m, v
 

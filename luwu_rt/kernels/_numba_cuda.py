@@ -29,6 +29,15 @@ def unavailable_reason() -> str | None:
         return None
     if not cuda.is_available():
         return "no CUDA GPU/driver visible to numba (set NUMBA_ENABLE_CUDASIM=1 to run in the simulator)"
+    try:
+        # What compiling a kernel with fp16/bf16 loads; numba-cuda <= 0.30 fails here under numpy >= 2.5
+        # (np.row_stack is gone), which would otherwise surface only at the first step.
+        import numba.cuda.fp16  # noqa: F401
+    except Exception as exc:
+        import numba
+
+        return (f"numba's CUDA target does not load here ({type(exc).__name__}: {exc}; numba {numba.__version__}, "
+                f"numpy {np.__version__}): install a numpy that this numba-cuda supports")
     return None
 
 
