@@ -1,5 +1,5 @@
-"""P6: push+pull throughput of the node protocol against raw pyzmq moving the same bytes over the same
-transport, in one run.
+"""P6 (benchmarks/README.md): push+pull throughput of the node protocol against raw pyzmq moving the same
+bytes over the same transport, in one run.
 
 Both sides run a DEALER (the worker) against a ROUTER on a thread (the node) over TCP loopback. Per round
 the worker pushes ``--mib`` MiB in chunks of ``--chunk`` and pulls the same amount back:
@@ -12,10 +12,12 @@ the worker pushes ``--mib`` MiB in chunks of ``--chunk`` and pulls the same amou
 Reported: GB/s of payload moved (pushed + pulled) per mode, best of ``--repeats``, and the ratio (the issue's
 bar: >= 0.8x); ``--curve`` runs both over CURVE (encrypted and authenticated, as ``--auth-keys`` does).
 
-    python benchmarks/bench_node.py [--mib 64] [--chunk 4MiB] [--repeats 5] [--curve]
+    python benchmarks/bench_node.py [--mib 64] [--chunk 4MiB] [--repeats 5] [--curve] [--out FILE]
 
 ``--train``: instead, 2-worker ``node`` (with a spawned node) against 2-worker ``zero3`` step times on
 gpt-tiny, the same global batch: the median ``step_s`` of steps 3.. from each run's ``--json-log``.
+
+    python benchmarks/bench_node.py --train [--steps 20] [--batch 4] [--seq 128] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 
 import numpy as np
 import zmq
+from report import emit  # benchmarks/report.py
 
 from luwu_rt.node.protocol import DTYPE_CODES, Message, T, decode, encode
 from luwu_rt.plan.sizes import parse_size
@@ -139,20 +142,22 @@ def train_medians(tmp: str, name: str, flags: list[str], *, steps: int, batch: i
     log = os.path.join(tmp, f"{name}.jsonl")
     subprocess.run([sys.executable, "-m", "luwu_rt", "train", *flags, "--steps", str(steps), "--batch-size",
                     str(batch), "--seq-len", str(seq), *TRAIN_FLAGS, "--json-log", log], check=True, cwd=tmp,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL)  # stderr passes through: a failing run shows its error
     lines = [x for x in map(json.loads, open(log)) if "step_s" in x and x["step"] > 2]
     return {k: statistics.median(x[k] for x in lines) for k in ("step_s", "compute_s")}
 
 
-def compare_train(*, steps: int = 20, batch: int = 4, seq: int = 128) -> None:
+def compare_train(*, steps: int = 20, batch: int = 4, seq: int = 128) -> list[str]:
+    """The report's lines: the median step of a 2-worker ``zero3`` run and of a 2-worker ``node`` run."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         medians = {name: train_medians(tmp, name, ["--strategy", name, "--nproc", "2", *extra], steps=steps,
                                        batch=batch, seq=seq)["step_s"]
                    for name, extra in (("zero3", []), ("node", ["--spawn-node"]))}
-        print(f"| gpt-tiny, 2 workers x batch {batch} x seq {seq} | zero3 {medians['zero3'] * 1e3:.0f} ms | "
-              f"node {medians['node'] * 1e3:.0f} ms | node/zero3 {medians['node'] / medians['zero3']:.2f} |")
+    return ["| run | zero3 step | node step | node / zero3 (target <= 1.0) |", "|---|---|---|---|",
+            (f"| gpt-tiny, 2 workers x batch {batch} x seq {seq} | zero3 {medians['zero3'] * 1e3:.0f} ms | "
+             f"node {medians['node'] * 1e3:.0f} ms | node/zero3 {medians['node'] / medians['zero3']:.2f} |")]
 
 
 def main() -> None:
@@ -162,15 +167,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--curve", action="store_true", help="both over CURVE")
     ap.add_argument("--train", action="store_true", help="node vs zero3 step time instead (2 workers)")
+    ap.add_argument("--steps", type=int, default=20, help="--train: steps of each run; steps 3.. are measured")
+    ap.add_argument("--batch", type=int, default=4, help="--train: sequences per worker")
+    ap.add_argument("--seq", type=int, default=128, help="--train: tokens per sequence")
+    ap.add_argument("--out", default=None, help="also write the markdown report here")
     args = ap.parse_args()
     if args.train:
-        compare_train()
+        if args.steps < 3:
+            ap.error(f"--steps {args.steps}: the median is taken over steps 3.., so pass --steps 3 or more")
+        emit(compare_train(steps=args.steps, batch=args.batch, seq=args.seq), args.out)
         return
     total, chunk = args.mib * 2**20, parse_size(args.chunk)
     raw = measure(total=total, chunk=chunk, protocol=False, repeats=args.repeats, curve=args.curve)
     ours = measure(total=total, chunk=chunk, protocol=True, repeats=args.repeats, curve=args.curve)
-    print(f"| {'CURVE' if args.curve else 'plain'} | {args.mib} MiB | {args.chunk} | {raw:.2f} | {ours:.2f} | "
-          f"{ours / raw:.2f}x |")
+    emit(["| transport | per round | chunk | raw pyzmq GB/s | protocol GB/s | ratio (target >= 0.8x) |",
+          "|---|---|---|---|---|---|",
+          (f"| {'CURVE' if args.curve else 'plain'} | {args.mib} MiB | {args.chunk} | {raw:.2f} | {ours:.2f} | "
+           f"{ours / raw:.2f}x |")], args.out)
 
 
 if __name__ == "__main__":

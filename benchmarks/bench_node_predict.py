@@ -1,12 +1,12 @@
-"""`luwu plan --strategy node`'s predicted step time against the measured one, 2 workers, on a profile of
-this machine measured in the same run.
+"""P11 for the node strategy (benchmarks/README.md): `luwu plan --strategy node`'s predicted step time against
+the measured one, 2 workers, on a profile of this machine measured in the same run.
 
 The planner's default profile describes a GPU server and a 100 Gb/s optimizer node, so its prediction for
 this box says nothing. This script measures the profile's keys that a node run on one CPU box depends on:
   compute_flops        a 1-process `local` run of the same per-worker batch (optimizer on the host): the
                        plan's FLOPs of a step over the measured median `compute_s`
-  node_gbps, net_gbps  the node protocol's push+pull GB/s over loopback (bench_node.measure)
-  *_optim_params_per_s our fused C++ AdamW (`luwu bench optim --json`)
+  node_gbps, net_gbps  the node protocol's push+pull GB/s over loopback (bench_node.measure, --net-mib MiB)
+  *_optim_params_per_s our fused C++ AdamW (`luwu bench optim --json`, --optim-numel parameters)
   *_mem_gbps, h2d/d2h  a streaming numpy add; the "device" is a CPU arena, so copies run at memory speed
   node_latency_s       half a ZeroMQ round trip of a 56-byte message
 then asks `luwu plan --strategy node --world-size 2 --profile P --json` for the step time of the run it
@@ -14,7 +14,7 @@ then measures (`luwu train --strategy node --nproc 2 --spawn-node`, median of st
 error in %. Three processes share the 2 cores here, which the model (dedicated cores per process) does not
 know: the error says how much that costs.
 
-    python benchmarks/bench_node_predict.py [--steps 20] [--batch 4] [--seq 128]
+    python benchmarks/bench_node_predict.py [--steps 20] [--batch 4] [--seq 128] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from bench_node import TRAIN_FLAGS, measure, train_medians
+from report import emit  # benchmarks/report.py
 
 
 def _plan(flags: list[str]) -> dict:
@@ -85,9 +86,9 @@ def _latency_s() -> float:
     return took / 1000 / 2
 
 
-def _optim_params_per_s() -> float:
-    out = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "optim", "--numel", str(2**23), "--no-torch-ref",
-                          "--rounds", "3", "--json"], check=True, capture_output=True, text=True)
+def _optim_params_per_s(numel: int) -> float:
+    out = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "optim", "--numel", str(numel), "--no-torch-ref",
+                          "--rounds", "3", "--json"], check=True, stdout=subprocess.PIPE, text=True)
     return next(r["mparams_per_s"] for r in json.loads(out.stdout)["results"] if r["name"] == "cpp") * 1e6
 
 
@@ -96,7 +97,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=4, help="sequences per worker")
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--net-mib", type=int, default=64, help="MiB pushed and pulled to measure the transport")
+    ap.add_argument("--optim-numel", type=int, default=2**23, help="parameters per call measuring the optimizer")
+    ap.add_argument("--out", default=None, help="also write the markdown report here")
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error(f"--steps {args.steps}: the median is taken over steps 3.., so pass --steps 3 or more")
     shape = ["--batch-size", str(args.batch), "--seq-len", str(args.seq)]
     plan_flags = [*shape, "--device-mem", "256MiB", "--host-mem", "256MiB", "--keep-graphs", "none"]
     assert set(plan_flags[4:]) <= set(TRAIN_FLAGS), "plan and train runs share their budgets"
@@ -106,8 +112,8 @@ def main() -> None:
         local = train_medians(tmp, "local", ["--offload-optimizer", "host"], steps=args.steps, batch=args.batch,
                               seq=args.seq)
         flops = _step_flops(args.batch, args.seq)
-        mem, net, optim = _mem_gbps(), measure(total=64 * 2**20, chunk=4 * 2**20, protocol=True, repeats=5), \
-            _optim_params_per_s()
+        mem, net = _mem_gbps(), measure(total=args.net_mib * 2**20, chunk=4 * 2**20, protocol=True, repeats=5)
+        optim = _optim_params_per_s(args.optim_numel)
         profile = {"compute_flops": flops / local["compute_s"], "node_gbps": net, "net_gbps": net,
                    "node_latency_s": _latency_s(), "node_optim_params_per_s": optim, "host_optim_params_per_s": optim,
                    "device_optim_params_per_s": optim, "node_mem_gbps": mem, "host_mem_gbps": mem,
@@ -125,12 +131,14 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump({**profile, "compute_flops": flops / measured["compute_s"]}, f)
         shared = _plan([*node_flags, "--profile", path])["predicted_step_s"]
-    print("profile measured here: " + ", ".join(f"{k}={v:.3g}" for k, v in profile.items()))
-    print(f"| gpt-tiny, 2 workers x batch {args.batch} x seq {args.seq} | measured {measured['step_s'] * 1e3:.1f} ms "
-          f"(compute {measured['compute_s'] * 1e3:.1f}; alone {local['compute_s'] * 1e3:.1f}) | predicted "
-          f"{predicted * 1e3:.1f} ms ({(predicted / measured['step_s'] - 1) * 100:+.0f}%) | with the shared cores' "
-          f"compute {shared * 1e3:.1f} ms ({(shared / measured['step_s'] - 1) * 100:+.0f}%) | default profile "
-          f"{default * 1e3:.2f} ms ({(default / measured['step_s'] - 1) * 100:+.0f}%) |")
+    emit(["profile measured here: " + ", ".join(f"{k}={v:.3g}" for k, v in profile.items()), "",
+          "| run | measured step | predicted (target within 10%) | with the shared cores' compute | default profile |",
+          "|---|---|---|---|---|",
+          (f"| gpt-tiny, 2 workers x batch {args.batch} x seq {args.seq} | measured {measured['step_s'] * 1e3:.1f} ms "
+           f"(compute {measured['compute_s'] * 1e3:.1f}; alone {local['compute_s'] * 1e3:.1f}) | predicted "
+           f"{predicted * 1e3:.1f} ms ({(predicted / measured['step_s'] - 1) * 100:+.0f}%) | with the shared cores' "
+           f"compute {shared * 1e3:.1f} ms ({(shared / measured['step_s'] - 1) * 100:+.0f}%) | default profile "
+           f"{default * 1e3:.2f} ms ({(default / measured['step_s'] - 1) * 100:+.0f}%) |")], args.out)
 
 
 if __name__ == "__main__":

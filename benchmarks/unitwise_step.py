@@ -1,11 +1,12 @@
-"""Cost of the unit-wise step against a plain autograd step on the same model.
+"""Cost of the unit-wise step against a plain autograd step on the same model (benchmarks/README.md).
 
 The execution model recomputes every unit's forward in backward so that a
 unit's parameters are resident only during its F and B. This measures what
 that costs in compute, in memory, with nothing offloaded: the ratio is the
-floor that any out-of-core step built on the unit-wise step starts from.
+floor that any out-of-core step built on the unit-wise step starts from (no
+target of its own; it explains part of P5).
 
-    python benchmarks/unitwise_step.py [--model gpt-small] [--batch-size 8] [--seq-len 256] [--repeats 5]
+    python benchmarks/unitwise_step.py [--model gpt-small] [--batch-size 8] [--seq-len 256] [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 import time
 
 import torch
+from report import emit  # benchmarks/report.py
 
 from luwu_rt.engine.unitwise import UnitwiseConfig, unitwise_step
 from luwu_rt.models.gpt import build_gpt
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast for both")
+    parser.add_argument("--out", default=None, help="also write the markdown report here")
     args = parser.parse_args()
 
     chain = build_gpt(args.model, device="cpu", seed=0)
@@ -73,17 +76,18 @@ def main() -> None:
     base = statistics.median(results["plain autograd"])
     base_min = min(results["plain autograd"])
     tokens_per_step = args.batch_size * args.seq_len
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, load average before/after {load_before:.2f}/{os.getloadavg()[0]:.2f}")
-    print(f"model {args.model} ({chain.num_params / 1e6:.1f}M params), batch {args.batch_size} x seq {args.seq_len}, "
-          f"{'bf16 autocast' if dtype else 'fp32'}, median of {args.repeats}")
-    # The box may be shared: the min is the least disturbed run, so its ratio is printed too.
-    print("| variant | step s (median) | min | max | tokens/s (median) | ratio vs plain (median) | ratio (min) |")
-    print("|---|---|---|---|---|---|---|")
+    lines = [(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+              f"threads {torch.get_num_threads()}, load average before/after {load_before:.2f}/{os.getloadavg()[0]:.2f}"), "",
+             (f"model {args.model} ({chain.num_params / 1e6:.1f}M params), batch {args.batch_size} x seq {args.seq_len}, "
+              f"{'bf16 autocast' if dtype else 'fp32'}, median of {args.repeats}"), "",
+             # The box may be shared: the min is the least disturbed run, so its ratio is printed too.
+             "| variant | step s (median) | min | max | tokens/s (median) | ratio vs plain (median) | ratio (min) |",
+             "|---|---|---|---|---|---|---|"]
     for name, times in results.items():
         med = statistics.median(times)
-        print(f"| {name} | {med:.3f} | {min(times):.3f} | {max(times):.3f} | {tokens_per_step / med:,.0f} | "
-              f"{med / base:.2f}x | {min(times) / base_min:.2f}x |")
+        lines.append(f"| {name} | {med:.3f} | {min(times):.3f} | {max(times):.3f} | {tokens_per_step / med:,.0f} | "
+                     f"{med / base:.2f}x | {min(times) / base_min:.2f}x |")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
