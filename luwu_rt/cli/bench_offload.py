@@ -9,7 +9,7 @@ and write the same number of bytes to the same disk at once with nothing else to
 do (no optimizer, no checksums, no dependencies). The disk serves reads and
 writes concurrently, so neither their sum nor the longer of the two alone is the
 bound; measuring the mixed transfer is. Then the planner's prediction from
-profile figures measured in the same run. Target P4: step time <= 1.1 x the IO lower bound.
+profile figures measured in the same run. Target P4 (benchmarks/README.md): step time <= 1.05 x the IO lower bound.
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ class HardwareProfile:
     d2h_gbps: float = 12.0
     """Device -> pinned host copies, GB/s."""
     host_optim_params_per_s: float = 1.5e9
-    """Fused CPU AdamW, fp32 master + moments (PERFORMANCE.md measures ~1.9e9 on 2 AVX-512 cores)."""
+    """Fused CPU AdamW, fp32 master + moments (benchmarks/README.md measures ~1.9e9 on 2 AVX-512 cores)."""
     device_optim_params_per_s: float = 50e9
     """AdamW on the device: HBM bandwidth / 28 bytes per parameter."""
     compute_flops: float = 100e12
@@ -203,7 +203,7 @@ class HardwareProfile:
     """Latency of one message step inside a sharding group, seconds."""
     host_mem_gbps: float = 50.0
     """Host memory bandwidth of one streaming pass (the gradient norm read on the host CPU), GB/s;
-    PERFORMANCE.md measures ~54 on 2 AVX-512 cores."""
+    benchmarks/README.md measures ~54 on 2 AVX-512 cores."""
     device_mem_gbps: float = 1500.0
     """Device memory bandwidth of one streaming pass (the gradient norm on the device), GB/s."""
     node_gbps: float = 12.5
