@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from luwu_rt.config import from_mapping, merge
+from luwu_rt.config import from_mapping, merge, upgrade_keys
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, run_checkpoints
@@ -379,7 +379,9 @@ class Engine:
         ``overrides`` changes config keys (e.g. the number of steps, budgets or placement)."""
         reader = CheckpointReader(directory)
         verify_checkpoint(reader, read_data=False)  # complete and self-consistent; data is checked as read
-        config = from_mapping(TrainConfig, merge(reader.settings, overrides or {}))
+        # Each side under the keys' current names before they merge ([Note: renamed config keys] in config.py).
+        config = from_mapping(TrainConfig, merge(upgrade_keys(TrainConfig, reader.settings),
+                                                 upgrade_keys(TrainConfig, overrides or {})))
         engine = cls(model, config, materialize=False)
         engine.run_id = reader.run_id  # a resumed run goes on owning its checkpoints
         if engine._signature() != reader.meta["model"]:
