@@ -96,9 +96,10 @@ def _checked(cls: type, key: str, value: Any, where: str) -> None:
 # A config field that is renamed (e.g. to follow the units rule: ``offload.host_mem`` became
 # ``offload.host_mem_bytes``) keeps being read under its old key, because old keys live on where users
 # cannot edit them: in TOML files, in scripts' ``overrides``, and in the config stored inside every
-# checkpoint (``CheckpointReader.settings``), which a resume merges with the new run's flags. The class
-# that owns the field lists ``old key -> new key`` in a ``RENAMED_KEYS`` class variable, the one table of
-# renames; ``upgrade_keys`` applies it, table by table, and ``from_mapping`` calls it first. Two mappings
+# checkpoint (``CheckpointReader.settings``), which a resume merges with the new run's flags, and which
+# can be years old. The class that owns the field lists ``old key -> new key`` in a ``RENAMED_KEYS`` class
+# variable beside its fields (a ``ClassVar``, not a field), and nothing else knows the old names:
+# ``upgrade_keys`` applies each table at its level of the nesting, and ``from_mapping`` calls it first. Two mappings
 # from different sources (a checkpoint's config and the flags, a TOML file and the flags) must each be
 # upgraded before they are merged, or the old and the new key of one field would both survive the merge;
 # one mapping holding both is an error. Old keys are never written: a saved config uses the new names.
