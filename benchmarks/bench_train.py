@@ -290,7 +290,7 @@ def _p7(args) -> list[str]:
 def _p7_report(args, engine: Engine, rows, setup_s, measured_pred, free_before, load_before) -> list[str]:
     n = engine.chain.num_params
     state = n * 12  # fp32 master + two moments; the bf16 params and grads come on top
-    host = engine.config.offload.host_mem
+    host = engine.config.offload.host_mem_bytes
     io = engine.predicted.io_bytes
     moved = ", ".join(f"{t}: {v['read'] / _GB:.2f} GB out / {v['write'] / _GB:.2f} GB in" for t, v in io.items())
     tokens = args.p7_batch_size * args.p7_seq_len
@@ -299,7 +299,7 @@ def _p7_report(args, engine: Engine, rows, setup_s, measured_pred, free_before, 
              f"gradient clipping {args.p7_grad_clip or 'off'}, batch "
              f"{args.p7_batch_size} x seq {args.p7_seq_len}. fp32 state (master + moments) {state / 2**30:.1f} GiB "
              f"= {state / host:.1f}x the host budget of {host / 2**30:.1f} GiB; device budget "
-             f"{engine.config.offload.device_mem / 2**30:.1f} GiB (a CPU arena here). Placement chosen by the "
+             f"{engine.config.offload.device_mem_bytes / 2**30:.1f} GiB (a CPU arena here). Placement chosen by the "
              f"planner: params={engine.placement.params}, optimizer={engine.placement.optimizer}, "
              f"grads={engine.placement.grads}. NVMe dir {args.nvme_dir} (ext4; {free_before / 2**30:.0f} GiB free "
              f"before). Engine setup incl. materialising the model onto NVMe: {setup_s:.0f} s.", "",

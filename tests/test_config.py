@@ -83,3 +83,14 @@ def test_flag_metadata() -> None:
     assert isinstance(meta, Flag) and meta.help == "a help" and meta.choices == ("a", "b") and meta.plans
     with pytest.raises(TypeError):
         flag("a help", choises=("a",))  # a typo in the table is an error, not a silently plain flag
+
+
+def test_train_config_reads_the_keys_it_had_before_the_units_rule() -> None:
+    from luwu_rt.engine import TrainConfig
+
+    old = {"timeout": 5, "offload": {"device_mem": "64MiB", "host_mem": "8MiB", "chunk_size": "64KiB"}}
+    config = from_mapping(TrainConfig, old)
+    assert config.timeout_s == 5 and config.offload.device_mem_bytes == 64 * 2**20
+    assert config.offload.host_mem_bytes == 8 * 2**20 and config.offload.chunk_bytes == 64 * 2**10
+    with pytest.raises(ValueError, match="config.offload: host_mem is the old name of host_mem_bytes"):
+        from_mapping(TrainConfig, {"offload": {"host_mem": "8MiB", "host_mem_bytes": "8MiB"}})

@@ -32,7 +32,7 @@ class ConfigFlag:
     """One config field that is a flag."""
 
     path: tuple[str, ...]
-    """Its keys in the nested config mapping, e.g. ``("offload", "device_mem")``."""
+    """Its keys in the nested config mapping, e.g. ``("offload", "device_mem_bytes")``."""
     spelling: str
     """The flag, e.g. ``--device-mem``."""
     dest: str

@@ -153,8 +153,8 @@ def _train_config(args: argparse.Namespace):
 
     settings = config_overrides(args)
     offload = settings.get("offload", {})
-    if offload.get("host_mem") == "all":
-        offload["host_mem"] = _default_host_bytes()
+    if offload.get("host_mem_bytes") == "all":
+        offload["host_mem_bytes"] = _default_host_bytes()
     if settings.get("strategy") == "node":
         settings["node"] = _PLANNED_NODE
     chain = as_unit_chain(settings.get("model", TrainConfig().model))
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     off = config.offload
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     model = config_model_spec(chain, config, device_type=device_type, world_size=args.world_size)
-    budgets = Budgets(device_bytes=off.device_mem, host_bytes=off.host_mem,
+    budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes,
                       nvme_bytes=_nvme_budget(args, off.nvme_dir))
     strategy = _strategy(args, config)
     candidates = strategy if isinstance(strategy, list) else [strategy]

@@ -242,7 +242,7 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
         if args.nproc is not None and world_size > 1:
             raise ValueError("--nproc starts the ranks itself: leave it out under torchrun (WORLD_SIZE is set)")
         # The whole config is checked here, so that the launcher fails before it starts any rank.
-        timeout = from_mapping(TrainConfig, _settings(args)).timeout
+        timeout = from_mapping(TrainConfig, _settings(args)).timeout_s
         if args.nproc is not None and args.nproc > 1:
             # The ranks get the flags that were given ('--flag=value', which a value starting with '-' survives).
             argv = config_argv(args)

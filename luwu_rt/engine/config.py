@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from luwu_rt.config import flag
 from luwu_rt.data import DataConfig
@@ -57,17 +58,17 @@ class OffloadConfig:
     """Home of the fp32 master weights and the Adam moments."""
     grads: str = field(default="auto", metadata=_placement("grads", "the gradients"))
     """Home of the gradients between backward and the optimizer step."""
-    device_mem: int | str = field(default="88MiB", metadata=flag(
+    device_mem_bytes: int | str = field(default="88MiB", metadata=flag(
         "device budget including the activations, e.g. 40GiB (default {default}; a CPU arena without a GPU)",
-        metavar="SIZE", plans=True))
+        name="--device-mem", metavar="SIZE", plans=True))
     """Device budget in bytes (``"4GiB"`` accepted), activations included: the planner reserves what one
     micro-batch's activations and kept graphs take (measured, ``engine/workload.py``) and places shards
     in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it. The
     default is sized for gpt-tiny's default run on the CPU: 77 MiB of activations (every graph kept)
     leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the optimizer
     state as well (9.9 MiB more), so the run uses the device tier for real."""
-    host_mem: int | str = field(default="6MiB", metadata=flag("pinned host budget, e.g. 200GiB", metavar="SIZE",
-                                                                          plans=True))
+    host_mem_bytes: int | str = field(default="6MiB", metadata=flag("pinned host budget, e.g. 200GiB",
+                                                                   name="--host-mem", metavar="SIZE", plans=True))
     """Pinned host arena budget in bytes. The default is below gpt-tiny's optimizer state (9.9 MiB) but
     holds one unit's share of it while that unit is updated, so the planner itself must put the
     optimizer state on NVMe: ``luwu train`` alone uses all three tiers."""
@@ -85,19 +86,24 @@ class OffloadConfig:
         "default they are scratch and removed at exit (the checkpoint is what survives)"))
     """Keep ``luwu_state/`` under ``nvme_dir`` (and ``luwu train``'s scratch directory) after the run, to look
     at it; the next run rebuilds it anyway."""
-    chunk_size: int | str = field(default="4MiB", metadata=flag("storage chunk size, a multiple of 4KiB",
-                                                                metavar="SIZE", plans=True))
+    chunk_bytes: int | str = field(default="4MiB", metadata=flag("storage chunk size, a multiple of 4KiB",
+                                                                 name="--chunk-size", metavar="SIZE", plans=True))
     """Storage chunk: the unit of file IO and checksums; a multiple of 4 KiB."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"device_mem": "device_mem_bytes", "host_mem": "host_mem_bytes",
+                                              "chunk_size": "chunk_bytes"}
+    """Keys this table had before the units rule, read as the new ones ([Note: renamed config keys] in config.py)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer", "grads"):
             if getattr(self, name) not in _TIERS:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {', '.join(_TIERS)}")
-        self.device_mem = _size(self.device_mem, "offload.device_mem")
-        self.host_mem = _size(self.host_mem, "offload.host_mem")
-        self.chunk_size = _size(self.chunk_size, "offload.chunk_size")
-        if self.chunk_size <= 0 or self.chunk_size % 4096:
-            raise ValueError(f"offload.chunk_size={self.chunk_size} must be a positive multiple of 4096 bytes")
+        self.device_mem_bytes = _size(self.device_mem_bytes, "offload.device_mem_bytes (--device-mem)")
+        self.host_mem_bytes = _size(self.host_mem_bytes, "offload.host_mem_bytes (--host-mem)")
+        self.chunk_bytes = _size(self.chunk_bytes, "offload.chunk_bytes (--chunk-size)")
+        if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
+            raise ValueError(f"offload.chunk_bytes={self.chunk_bytes} (--chunk-size) must be a positive multiple of "
+                             f"4096 bytes")
         if self.nvme_dir is not None and not str(self.nvme_dir).strip():  # "" must not quietly mean "no tier"
             raise ValueError("offload.nvme_dir (--nvme-dir) is empty; give a directory, or leave it out (luwu train "
                              "then makes a scratch directory ./luwu-scratch-*)")
@@ -202,8 +208,9 @@ class TrainConfig:
         "hsdp: ranks per sharding group, e.g. the GPUs of one server (default {default}: min(8, world size))",
         aliases=("--group-size",), metavar="G", plans=True))
     """``hsdp``: ranks per sharding group (G), replicated across groups; 0 means min(8, world size)."""
-    timeout: float = field(default=300.0, metadata=flag(
-        "seconds a rank waits for the others before it exits naming the missing rank", metavar="S"))
+    timeout_s: float = field(default=300.0, metadata=flag(
+        "seconds a rank waits for the others before it exits naming the missing rank", name="--timeout",
+        metavar="S"))
     """Seconds a rank waits for the others (a collective, a barrier) before it gives up and names the rank
     that did not come."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -214,6 +221,9 @@ class TrainConfig:
     """Optimizer and schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"timeout": "timeout_s"}
+    """Keys this config had before the units rule, read as the new ones ([Note: renamed config keys] in config.py)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum"):
@@ -242,8 +252,8 @@ class TrainConfig:
             raise ValueError(f"shard_group_size must be an integer >= 0, got {self.shard_group_size!r}")
         if self.shard_group_size and self.strategy not in ("hsdp", "auto"):
             raise ValueError(f"--shard-group-size applies to --strategy hsdp only, not {self.strategy}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got {self.timeout_s!r}")
         if self.eval_every < 0 or self.eval_batches <= 0:
             raise ValueError("eval_every must be >= 0 and eval_batches > 0")
         folder = self.model[3:] if isinstance(self.model, str) and self.model.startswith("hf:") else None

@@ -50,6 +50,8 @@ def test_engine_load_resumes_it_with_overrides(run_dir) -> None:
     # The saved config's keys are the old ones; an override of one of them applies.
     with Engine.load(run_dir / STEP, overrides={"offload": {"host_mem": "32MiB"}, "eval_every": 0}) as engine:
         assert engine.step == 2 and engine.plan.budgets.host_bytes == 32 * 2**20
+        off = engine.config.offload  # the old keys, read under the new names
+        assert (off.device_mem_bytes, off.chunk_bytes, engine.config.timeout_s) == (88 * 2**20, 4 * 2**20, 300.0)
         losses = {}
         while engine.step < engine.config.steps:  # the saved run's 4 steps
             loss = engine.train_step()["loss"]

@@ -96,7 +96,7 @@ def test_the_ranks_of_nproc_get_every_flag_back() -> None:
     given = config_overrides(args)
     again = parser.parse_args(config_argv(args))
     assert config_overrides(again) == given
-    assert given["json_log"] == "-log.jsonl" and given["keep_graphs"] == 2 and given["timeout"] == 12.5
+    assert given["json_log"] == "-log.jsonl" and given["keep_graphs"] == 2 and given["timeout_s"] == 12.5
     assert given["offload"]["keep_nvme_state"] is True
     assert given["checkpoint"] == {"dir": "ck", "every": 3, "resume": True}
     # Only what was given: the rest stays with the --config file, the checkpoint or the defaults.
