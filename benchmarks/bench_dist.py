@@ -252,7 +252,8 @@ def _plan_peak(name: str, args, *, host_mem, device_mem) -> dict[str, int]:
     off = config.offload
     _, result = choose_plan(spec, strategies=candidate_strategies(config.strategy, world_size=RANKS,
                                                                   shard_group_size=config.shard_group_size),
-                            budgets=Budgets(device_bytes=off.device_mem, host_bytes=off.host_mem, nvme_bytes=0),
+                            budgets=Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes,
+                                            nvme_bytes=0),
                             placement=Placement(params=off.params, optimizer=off.optimizer, grads=off.grads))
     return dict(result.plan.peak_bytes)
 
@@ -314,8 +315,8 @@ class _Ours:
                 "host_peak": plan.peak_bytes.get("host", 0), "device_peak": plan.peak_bytes.get("device", 0),
                 "host_arena": plan.arena_bytes.get("host", 0), "device_arena": plan.arena_bytes.get("device", 0),
                 "placement": str(self.engine.placement), "strategy": str(self.engine.strategy.name),
-                "num_params": self.engine.chain.num_params, "host_mem": self.engine.config.offload.host_mem,
-                "device_mem": self.engine.config.offload.device_mem,
+                "num_params": self.engine.chain.num_params, "host_mem": self.engine.config.offload.host_mem_bytes,
+                "device_mem": self.engine.config.offload.device_mem_bytes,
                 "kept": self.engine.compute.kept_bytes, "snapshot": self.engine.compute.snapshot_bytes}
 
 

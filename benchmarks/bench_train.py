@@ -322,7 +322,7 @@ def _p7_report(args, engine: Engine, rows, setup_s, measured_pred, free_before, 
     n = engine.chain.num_params
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     state = n * 12  # fp32 master + two moments; the bf16 params and grads come on top
-    host = engine.config.offload.host_mem
+    host = engine.plan.budgets.host_bytes
     activations = engine.model_spec.activation_bytes
     io = engine.predicted.io_bytes
     moved = ", ".join(f"{t}: {v['read'] / _GB:.2f} GB out / {v['write'] / _GB:.2f} GB in" for t, v in io.items())
@@ -332,7 +332,7 @@ def _p7_report(args, engine: Engine, rows, setup_s, measured_pred, free_before, 
              f"gradient clipping {args.p7_grad_clip or 'off'}, batch "
              f"{args.p7_batch_size} x seq {args.p7_seq_len}. fp32 state (master + moments) {format_size(state)} "
              f"= {state / host:.1f}x the host budget of {format_size(host)}; device budget "
-             f"{format_size(engine.config.offload.device_mem)}, of which {format_size(activations)} are the "
+             f"{format_size(engine.plan.budgets.device_bytes)}, of which {format_size(activations)} are the "
              f"activation reserve (a CPU arena here). Placement chosen by the "
              f"planner: params={engine.placement.params}, optimizer={engine.placement.optimizer}, "
              f"grads={engine.placement.grads}. NVMe dir {args.nvme_dir} (ext4; {free_before / 2**30:.0f} GiB free "

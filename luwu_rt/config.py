@@ -4,6 +4,10 @@ Every config is ``@dataclass(kw_only=True, slots=True)`` with a docstring under
 each field and validation in ``__post_init__`` (DESIGN.md, style 3). Unknown
 keys are errors that list the valid ones: a typo in a config file must never be
 silently ignored while a run trains with the default.
+
+A field can also be a command-line flag: ``field(metadata=flag(...))`` gives its spelling, help and choices,
+and ``luwu_rt/cli/flags.py`` turns the fields into argparse arguments ([Note: one flag table] there). A field
+that was renamed keeps working under its old key ([Note: renamed config keys]).
 """
 
 from __future__ import annotations
@@ -12,13 +16,42 @@ import dataclasses
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["from_mapping", "load_toml", "merge"]
+__all__ = ["Flag", "flag", "from_mapping", "load_toml", "merge", "upgrade_keys"]
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Flag:
+    """How a config field appears on the command line (``field(metadata=flag(...))``)."""
+
+    help: str
+    """One line for ``--help``. ``{default}`` in it is replaced by the field's default; without it the default
+    is appended as ``(default X)`` when there is one (not ``None``, not ``False``)."""
+    name: str | None = None
+    """The flag's spelling, e.g. ``--ckpt-dir``; ``None``: ``--`` and the field's name with dashes."""
+    aliases: tuple[str, ...] = ()
+    """Other spellings of the same flag."""
+    choices: tuple[str, ...] | None = None
+    """The closed set of values, listed by ``--help`` and checked when the flag is parsed (a typo is refused
+    before anything starts); the field's ``__post_init__`` checks the same tuple for TOML files and the API."""
+    metavar: str | None = None
+    """The value's name in ``--help``."""
+    parse: Callable[[str], Any] | None = None
+    """Turns the flag's text into the field's value; ``None``: from the field's type (``int``, ``float``,
+    else the text itself, e.g. a size such as ``4GiB`` that ``__post_init__`` reads)."""
+    plans: bool = False
+    """The plan of a step depends on this field: ``luwu plan`` takes the flag too, so that it plans what
+    ``luwu train`` with the same flags runs."""
+
+
+def flag(help: str, **kwargs: Any) -> dict[str, Flag]:
+    """Field metadata that makes a config field a command-line flag (the keywords of ``Flag``)."""
+    return {"flag": Flag(help=help, **kwargs)}
 
 
 def _nested_type(cls: type, name: str) -> type | None:
@@ -59,14 +92,48 @@ def _checked(cls: type, key: str, value: Any, where: str) -> None:
         raise ValueError(f"{where}.{key}: expected {_describe(hint)}, got {type(value).__name__} {value!r}")
 
 
+# [Note: renamed config keys]
+# A config field that is renamed (e.g. to follow the units rule: ``offload.host_mem`` became
+# ``offload.host_mem_bytes``) keeps being read under its old key, because old keys live on where users
+# cannot edit them: in TOML files, in scripts' ``overrides``, and in the config stored inside every
+# checkpoint (``CheckpointReader.settings``), which a resume merges with the new run's flags, and which
+# can be years old. The class that owns the field lists ``old key -> new key`` in a ``RENAMED_KEYS`` class
+# variable beside its fields (a ``ClassVar``, not a field), and nothing else knows the old names:
+# ``upgrade_keys`` applies each table at its level of the nesting, and ``from_mapping`` calls it first. Two mappings
+# from different sources (a checkpoint's config and the flags, a TOML file and the flags) must each be
+# upgraded before they are merged, or the old and the new key of one field would both survive the merge;
+# one mapping holding both is an error. Old keys are never written: a saved config uses the new names.
+
+
+def upgrade_keys(cls: type, data: Mapping[str, Any], *, where: str = "config") -> dict[str, Any]:
+    """``data`` with the keys that ``cls`` (and its nested configs) renamed under their new names
+    ([Note: renamed config keys]); other keys, known or not, are left for ``from_mapping`` to judge."""
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED_KEYS", {})
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        new = renamed.get(key, key)
+        if new in out or (new != key and new in data):
+            raise ValueError(f"{where}: {key} is the old name of {new}; give only {new}")
+        nested = _nested_type(cls, new) if new in _field_names(cls) else None
+        out[new] = upgrade_keys(nested, value, where=f"{where}.{new}") if nested and isinstance(value, Mapping) \
+            else value
+    return out
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
 def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "config") -> T:
-    """Builds ``cls`` from ``data``; nested dataclass fields take nested mappings.
+    """Builds ``cls`` from ``data``; nested dataclass fields take nested mappings, and renamed keys are read
+    under their new names ([Note: renamed config keys]).
 
     Raises ``ValueError`` naming the unknown key and the valid ones, or the
     field whose value ``__post_init__`` rejected.
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: expected a table of keys, got {type(data).__name__}")
+    data = upgrade_keys(cls, data, where=where)
     valid = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(valid))
     if unknown:

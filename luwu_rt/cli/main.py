@@ -31,26 +31,41 @@ _GROUP_HELP = {"bench": "measure throughput of the runtime's parts against their
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="luwu", description="luwu_rt: train models larger than GPU memory.")
+    from luwu_rt import __version__
+
+    # allow_abbrev=False on every parser: a prefix of a flag is a typo, not the flag (`--step 5` is not --steps).
+    parser = argparse.ArgumentParser(prog="luwu", description="luwu_rt: train models larger than GPU memory.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"luwu_rt {__version__}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, module_name, help_text in COMMANDS:
         module = importlib.import_module(module_name)
         if len(path) == 1:
-            sub = top.add_parser(path[0], help=help_text, description=help_text)
+            sub = top.add_parser(path[0], help=help_text, description=help_text, allow_abbrev=False)
         else:
             group, leaf = path
             if group not in groups:
-                gp = top.add_parser(group, help=_GROUP_HELP.get(group, ""))
+                gp = top.add_parser(group, help=_GROUP_HELP.get(group, ""), allow_abbrev=False)
                 groups[group] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
-            sub = groups[group].add_parser(leaf, help=help_text, description=help_text)
+            sub = groups[group].add_parser(leaf, help=help_text, description=help_text, allow_abbrev=False)
         module.add_arguments(sub)
-        sub.set_defaults(_run=module.run)
+        sub.set_defaults(_run=module.run, _parser=sub)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line parsed; a word that no parser knows is reported under the usage of the command it
+    was given to (`luwu train --step 5`: train's usage), where argparse itself would report it under
+    the top-level one."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except BrokenPipeError:

@@ -4,8 +4,11 @@ Plans one training step with the pure planner (no GPU, no IO) and prints the
 placement, the peak bytes per tier, the bytes moved per step and the predicted
 step time with its bottleneck; or the memory it would take to fit. Exit status 1
 when the model does not fit. For ``--strategy node`` it also plans the optimizer
-node's side and simulates both together. Strategies that ``luwu train`` cannot
-run yet are planned all the same, and the output says that it is a plan only.
+node's side and simulates both together.
+
+It takes the flags of ``luwu train`` that a plan depends on, from the same table ([Note: one flag table] in
+flags.py), builds the same ``TrainConfig`` and plans with the engine's own ``ModelSpec``: it answers for the
+run ``luwu train`` makes with those flags. ``--world-size`` and the budgets' overrides are its own.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from pathlib import Path
 
 __all__ = ["add_arguments", "run"]
 
-_TIER_CHOICES = ("device", "host", "nvme", "auto")
 _NODE_TIER_CHOICES = ("host", "nvme", "auto")
 _NODE_FLAGS = ("node_shards", "node_host_mem", "node_nvme_size", "node_offload_params", "node_offload_optimizer",
                "node_offload_grads")
@@ -27,6 +29,17 @@ _SHOW_OPS_HELP = (
     "reads -> writes, deps. With prefetch an op may start before ops listed above it end: a load or "
     "all-gather that starts before the compute listed above it ends is marked 'prefetch' (e.g. --strategy "
     "zero3 --world-size 8 --show-ops 40 shows the gathers of B(k-1) starting during B(k))")
+# What `luwu plan` adds to the help of a flag it shares with `luwu train`.
+_NOTES = {
+    "host_mem": "'all': this machine's RAM",
+    "seq_len": "0: the model's maximum",
+    "nvme_dir": "it need not exist yet: the free space of its disk is the NVMe budget (without --nvme-dir: the "
+                "current directory's disk, where luwu train makes its scratch directory)",
+    "strategy": "luwu plan also plans any strategy for --world-size ranks",
+}
+_PLANNED_NODE = "tcp://planned-only:0"
+"""The optimizer node's address in the config ``luwu plan`` builds for strategy node: ``TrainConfig`` wants the
+address a run connects to; a plan connects to nothing."""
 
 
 def _default_host_bytes() -> int:
@@ -34,57 +47,15 @@ def _default_host_bytes() -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from luwu_rt.models.presets import PRESETS
-    from luwu_rt.plan.spec import RUNNABLE_STRATEGIES, STRATEGIES
+    from luwu_rt.cli.flags import add_config_flags
 
-    # One source of defaults: luwu train's (TrainConfig), so the same flags ask both commands the same question.
-    from luwu_rt.engine.config import OffloadConfig, TrainConfig
-
-    run, off = TrainConfig(), OffloadConfig()
-    mib = lambda n: f"{n // 2**20}MiB"  # noqa: E731
-    parser.add_argument("--model", default=run.model, choices=list(PRESETS), metavar="PRESET",
-                        help=f"built-in model preset ({', '.join(PRESETS)}); default {run.model}")
-    parser.add_argument("--device-mem", default=mib(off.device_mem),
-                        help=f"device memory budget including activations, e.g. 80GiB (default {mib(off.device_mem)}, "
-                             f"as luwu train)")
-    parser.add_argument("--host-mem", default=mib(off.host_mem),
-                        help=f"pinned host memory budget (default {mib(off.host_mem)}, as luwu train; 'all' for this "
-                             f"machine's RAM)")
-    parser.add_argument("--nvme-dir", default=None,
-                        help="directory for the NVMe tier, which need not exist yet; the free space of its disk is "
-                             "the budget (default: the current directory's disk, where luwu train makes its scratch "
-                             "NVMe directory)")
+    # The flags of luwu train that a plan depends on, from the same table ([Note: one flag table] in flags.py):
+    # the same defaults, the same choices, and luwu plan plans the run luwu train makes with them.
+    add_config_flags(parser, plans_only=True, notes=_NOTES)
     parser.add_argument("--nvme-size", default=None,
                         help="NVMe budget instead of the free space of --nvme-dir (e.g. to plan for another box; 0: "
                              "no NVMe tier)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
-    parser.add_argument("--strategy", default=None, choices=STRATEGIES + ("auto",),
-                        help=f"data-parallel strategy (default: local for one rank; auto for more, the fastest "
-                             f"predicted that fits, as luwu train picks); `luwu train` runs "
-                             f"{', '.join(RUNNABLE_STRATEGIES)} today, the others are planned and predicted only")
-    parser.add_argument("--shard-group-size", "--group-size", dest="shard_group_size", type=int, default=None,
-                        metavar="G", help="hsdp: ranks per sharding group, e.g. the GPUs of one server "
-                                          "(default min(8, N)); --group-size is an alias")
-    parser.add_argument("--batch-size", type=int, default=run.batch_size,
-                        help=f"sequences per micro-batch (per rank) (default {run.batch_size})")
-    parser.add_argument("--seq-len", type=int, default=run.seq_len,
-                        help=f"tokens per sequence (default {run.seq_len}; 0: the preset's maximum)")
-    parser.add_argument("--grad-accum", type=int, default=run.grad_accum,
-                        help=f"micro-batches of --batch-size sequences per optimizer step (default {run.grad_accum})")
-    for state in ("params", "optimizer", "grads"):
-        parser.add_argument(f"--offload-{state}", default="auto", choices=_TIER_CHOICES,
-                            help=f"home tier of the {state} (default auto: fastest placement that fits)")
-    parser.add_argument("--chunk-size", default=mib(off.chunk_size),
-                        help=f"storage chunk size, a multiple of 4KiB (default {mib(off.chunk_size)})")
-    parser.add_argument("--dtype", default=run.dtype, choices=("fp32", "bf16", "fp16"),
-                        help=f"compute dtype of parameters and activations (default {run.dtype})")
-    parser.add_argument("--keep-graphs", default=str(run.keep_graphs), metavar="auto|all|none|N",
-                        help="units that keep their forward graph until backward instead of recomputing it, as in "
-                             "`luwu train`: their activations count against the device budget (default auto: what "
-                             "`luwu train` does on this machine, all on the CPU, none on a GPU)")
-    parser.add_argument("--grad-clip", type=float, default=run.optim.grad_clip,
-                        help="global-norm clip, 0 off (default 1.0, as `luwu train`): with it, updates wait for the "
-                             "whole backward")
     node = parser.add_argument_group("optimizer node (--strategy node)")
     node.add_argument("--node-shards", type=int, default=None, metavar="K",
                       help="optimizer node processes that split the chunks, each with its own NIC and budgets "
@@ -128,14 +99,14 @@ def _load_profile(path: str | None):
             from None
 
 
-def _nvme_budget(args: argparse.Namespace) -> int:
+def _nvme_budget(args: argparse.Namespace, nvme_dir: str | None) -> int:
     from luwu_rt.cli.dirs import free_bytes
     from luwu_rt.plan.sizes import parse_size
 
     if args.nvme_size is not None:
         return parse_size(args.nvme_size)
     # No --nvme-dir: luwu train makes a scratch directory in the current directory; plan with its disk.
-    path = Path(args.nvme_dir if args.nvme_dir is not None else os.curdir)
+    path = Path(nvme_dir if nvme_dir is not None else os.curdir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--nvme-dir {path} is a file, not a directory; give a directory, or --nvme-size to plan "
                          f"without one")
@@ -144,20 +115,22 @@ def _nvme_budget(args: argparse.Namespace) -> int:
     return free_bytes(path)
 
 
-def _nvme_where(args: argparse.Namespace) -> str | None:
+def _nvme_where(args: argparse.Namespace, nvme_dir: str | None) -> str | None:
     """Where the planned NVMe tier would live, as the title says it."""
     if args.nvme_size is not None:
         return None
     from luwu_rt.cli.dirs import SCRATCH_PREFIX
 
-    return args.nvme_dir if args.nvme_dir is not None else f"./{SCRATCH_PREFIX}* (luwu train's scratch)"
+    return nvme_dir if nvme_dir is not None else f"./{SCRATCH_PREFIX}* (luwu train's scratch)"
 
 
-def _strategy(args: argparse.Namespace):
+def _strategy(args: argparse.Namespace, config):
+    """The strategy (or, for auto, the candidates) of ``config`` on ``--world-size`` ranks; unlike a run,
+    a plan may name any strategy for any number of ranks."""
     from luwu_rt.plan import Strategy
 
-    name = args.strategy or ("local" if args.world_size == 1 else "auto")
-    if args.shard_group_size is not None and name not in ("hsdp", "auto"):
+    name = "local" if config.strategy == "auto" and args.world_size == 1 else config.strategy
+    if config.shard_group_size and name not in ("hsdp", "auto"):
         raise ValueError(f"--shard-group-size applies to --strategy hsdp only, not {name}")
     given = [f"--{f.replace('_', '-')}" for f in _NODE_FLAGS if getattr(args, f) is not None]
     if given and name != "node":
@@ -166,53 +139,73 @@ def _strategy(args: argparse.Namespace):
     if name == "auto":
         from luwu_rt.engine.strategy import candidate_strategies
 
-        return candidate_strategies("auto", world_size=args.world_size, shard_group_size=args.shard_group_size or 0)
-    return Strategy(name=name, world_size=args.world_size, group_size=args.shard_group_size or 0)
+        return candidate_strategies("auto", world_size=args.world_size, shard_group_size=config.shard_group_size)
+    return Strategy(name=name, world_size=args.world_size, group_size=config.shard_group_size)
 
 
-def _model_spec(args: argparse.Namespace, shape, *, chunk_bytes: int):
-    """The ModelSpec ``luwu train`` would plan with the same settings: the preset built on meta, its
-    activations measured as the engine runs them (engine/workload.py), so both agree on what fits."""
-    import torch
+def _train_config(args: argparse.Namespace):
+    """The ``TrainConfig`` that ``luwu train`` builds from the same flags, and the model's chain (built on
+    meta): plan's own readings of two flags (``--host-mem all``, ``--seq-len 0``) applied first."""
+    from luwu_rt.cli.flags import config_overrides
+    from luwu_rt.config import from_mapping
+    from luwu_rt.engine import TrainConfig
+    from luwu_rt.models.adapt import as_unit_chain
 
-    from luwu_rt.engine.workload import kept_units, train_model_spec
-    from luwu_rt.models.gpt import build_gpt
+    settings = config_overrides(args)
+    offload = settings.get("offload", {})
+    if offload.get("host_mem_bytes") == "all":
+        offload["host_mem_bytes"] = _default_host_bytes()
+    if settings.get("strategy") == "node":
+        settings["node"] = _PLANNED_NODE
+    chain = as_unit_chain(settings.get("model", TrainConfig().model))
+    most = _max_seq_len(chain)
+    if settings.get("seq_len") == 0:
+        if most is None:
+            raise ValueError(f"--seq-len 0: the maximum sequence length of {settings['model']} is not known; "
+                             f"give --seq-len")
+        settings["seq_len"] = most
+    config = from_mapping(TrainConfig, settings)
+    if most is not None and config.seq_len > most:
+        raise ValueError(f"--seq-len {config.seq_len}: {config.model} takes at most {most} tokens per sequence")
+    return config, chain
 
-    seq_len = args.seq_len or shape.max_seq_len
-    if args.batch_size <= 0 or not 0 < seq_len <= shape.max_seq_len or args.grad_accum <= 0:
-        raise ValueError(f"--batch-size {args.batch_size} and --grad-accum {args.grad_accum} must be positive and "
-                         f"--seq-len {seq_len} in 1..{shape.max_seq_len}")
-    keep = args.keep_graphs if not args.keep_graphs.isdigit() else int(args.keep_graphs)
-    chain = build_gpt(shape.name)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return train_model_spec(chain, batch_size=args.batch_size, seq_len=seq_len, grad_accum=args.grad_accum,
-                            chunk_bytes=chunk_bytes, dtype=args.dtype,
-                            keep_graph=kept_units(keep, num_units=chain.num_units, device_type=device_type),
-                            optimizer_waits_for_backward=args.grad_clip > 0 or args.dtype == "fp16",
-                            world_size=args.world_size)
+
+def _max_seq_len(chain) -> int | None:
+    """The most tokens per sequence the model takes (a preset's, or a Hugging Face config's positions)."""
+    shape = getattr(chain, "shape", None)
+    if shape is not None:
+        return shape.max_seq_len
+    hf = getattr(getattr(chain, "model", None), "config", None)
+    for key in ("n_positions", "max_position_embeddings"):
+        if isinstance(getattr(hf, key, None), int):
+            return getattr(hf, key)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
-    from luwu_rt.models.presets import get_preset
-    from luwu_rt.plan import (RUNNABLE_STRATEGIES, Budgets, DoesNotFit, Placement, estimate,
-                              parse_size, plan_auto, validate)
+    import torch
 
-    shape = get_preset(args.model)
-    model = _model_spec(args, shape, chunk_bytes=parse_size(args.chunk_size))
-    budgets = Budgets(device_bytes=parse_size(args.device_mem),
-                      host_bytes=_default_host_bytes() if args.host_mem == "all" else parse_size(args.host_mem),
-                      nvme_bytes=_nvme_budget(args))
-    strategy = _strategy(args)
+    from luwu_rt.engine.workload import config_model_spec
+    from luwu_rt.plan import Budgets, DoesNotFit, Placement, estimate, plan_auto, validate
+
+    config, chain = _train_config(args)
+    off = config.offload
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    model = config_model_spec(chain, config, device_type=device_type, world_size=args.world_size)
+    budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes,
+                      nvme_bytes=_nvme_budget(args, off.nvme_dir))
+    strategy = _strategy(args, config)
     candidates = strategy if isinstance(strategy, list) else [strategy]
     strategy = candidates[0]
-    placement = Placement(params=args.offload_params, optimizer=args.offload_optimizer, grads=args.offload_grads)
+    placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
     profile = _load_profile(args.profile)
-    head = {"model": shape.name, "params": model.num_params, "strategy": strategy.name,
+    # "runnable" stays in the JSON for its readers: luwu train runs every strategy the planner plans.
+    head = {"model": config.model, "params": model.num_params, "strategy": strategy.name,
             "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
             "activation_bytes": model.activation_bytes,
             "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
-            "nvme_dir": _nvme_where(args),
-            "runnable": strategy.name in RUNNABLE_STRATEGIES}
+            "nvme_dir": _nvme_where(args, off.nvme_dir),
+            "runnable": True}
     try:
         if len(candidates) > 1:  # auto: the strategy luwu train would pick
             from luwu_rt.engine.strategy import choose_plan
@@ -357,11 +350,6 @@ def _text(head: dict, r: dict) -> str:
                  f"{format_size(head['activation_bytes'])} (in the device peak)")
     if "node" in r:
         lines += [""] + _node_text(r["node"])
-    if not head["runnable"]:
-        from luwu_rt.plan import RUNNABLE_STRATEGIES
-
-        lines += ["", f"plan only: `luwu train` cannot run strategy {head['strategy']} yet (it runs "
-                      f"{', '.join(RUNNABLE_STRATEGIES)}); the figures above are the cost model's prediction"]
     return "\n".join(lines)
 
 

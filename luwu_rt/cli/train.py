@@ -21,93 +21,15 @@ from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
-def _count_or_word(text: str) -> int | str:
-    return int(text) if text.isdigit() else text
-
-
-# flag -> (config path, type). Flags default to None so that only the ones given override.
-_FLAGS: dict[str, tuple[tuple[str, ...], Any]] = {
-    "model": (("model",), str), "steps": (("steps",), int), "batch_size": (("batch_size",), int),
-    "seq_len": (("seq_len",), int), "grad_accum": (("grad_accum",), int), "dtype": (("dtype",), str),
-    "seed": (("seed",), int), "trace": (("trace",), str), "json_log": (("json_log",), str),
-    "eval_every": (("eval_every",), int), "io_backend": (("io_backend",), str),
-    "device_mem": (("offload", "device_mem"), str), "host_mem": (("offload", "host_mem"), str),
-    "offload_params": (("offload", "params"), str), "offload_optimizer": (("offload", "optimizer"), str),
-    "offload_grads": (("offload", "grads"), str), "nvme_dir": (("offload", "nvme_dir"), str),
-    "chunk_size": (("offload", "chunk_size"), str), "lr": (("optim", "lr"), float),
-    "grad_clip": (("optim", "grad_clip"), float), "ckpt_dir": (("checkpoint", "dir"), str),
-    "ckpt_every": (("checkpoint", "every"), int), "data": (("data", "path"), str),
-    "data_dtype": (("data", "token_dtype"), str), "keep_graphs": (("keep_graphs",), _count_or_word),
-    "strategy": (("strategy",), str), "shard_group_size": (("shard_group_size",), int),
-    "timeout": (("timeout",), float), "init_from": (("init_from",), str),
-    "tokenizer": (("data", "tokenizer"), str), "text_field": (("data", "text_field"), str),
-    "node": (("node",), str), "node_key": (("node_key",), str),
-}
-_HELP = {
-    "node": "strategy node: the optimizer node's address, tcp://HOST:PORT of a luwu node serve",
-    "node_key": "strategy node: this worker's .key_secret from luwu node keygen, for a node run with --auth-keys",
-    "model": "built-in preset (gpt-tiny ... gpt-175b; default gpt-tiny) or hf:PATH, a local Hugging Face model "
-             "folder (config.json + safetensors) to fine-tune", "steps": "optimizer steps (default 300)",
-    "batch_size": "sequences per micro-batch (default 16)", "seq_len": "tokens per sequence (default 128)",
-    "grad_accum": "micro-batches per step (default 1)", "dtype": "compute dtype: fp32, bf16 or fp16 (default fp32)",
-    "seed": "seed of the initial weights and batch order (default 0)",
-    "trace": "write the last step's op spans as Chrome trace JSON (open in Perfetto)",
-    "json_log": "append one JSON line per step (step, loss, tokens_per_s, step_s, ...)",
-    "eval_every": "validation loss every N steps (default 100; 0 never)",
-    "io_backend": "IO engine backend: auto, io_uring or threads",
-    "device_mem": "device budget including activations, e.g. 40GiB (default {device_mem}; a CPU arena without a GPU)",
-    "host_mem": "pinned host budget, e.g. 200GiB (default {host_mem})",
-    "offload_params": "home of the parameters: device|host|nvme|auto (default auto)",
-    "offload_optimizer": "home of master weights and moments: device|host|nvme|auto (default auto)",
-    "offload_grads": "home of the gradients: device|host|nvme|auto (default auto)",
-    "nvme_dir": "directory of the NVMe tier, created if missing (default: a scratch directory ./luwu-scratch-* "
-                "made for the run and removed at exit; a resumed run makes a new one too)",
-    "chunk_size": "storage chunk size (default 4MiB)",
-    "lr": "peak learning rate (default 3e-3)", "grad_clip": "global-norm clip, 0 off (default 1.0)",
-    "ckpt_dir": "checkpoint directory", "ckpt_every": "checkpoint every N steps (default: only at the end)",
-    "data": "text or JSONL file, nanoGPT .bin or directory with train.bin/val.bin (default: embedded corpus)",
-    "data_dtype": "token dtype of a .bin file: uint16 or uint32",
-    "keep_graphs": "units that keep their forward graph instead of recomputing: auto, all, none or N (default auto)",
-    "strategy": "data-parallel strategy with several ranks: ddp, zero1, zero2, zero3, hsdp or auto (default auto: "
-                "the fastest that fits; one rank runs local)",
-    "shard_group_size": "hsdp: ranks per sharding group G (default min(8, world size))",
-    "timeout": "seconds a rank waits for the others before it exits naming the missing rank (default 300)",
-    "init_from": "safetensors file or folder (a model folder or a luwu export) whose tensors, matched by name, "
-                 "are the first weights, streamed in unit by unit",
-    "tokenizer": "tokenizer.json or a model folder that tokenizes a text or JSONL --data once into a cached "
-                 "token file beside it (default: an hf:PATH model's own tokenizer; else byte-level text)",
-    "text_field": "the field of each JSONL line that holds a document (default text)",
-}
-
-
-# Flags with a closed set of values: --help lists them and a typo is refused before anything starts.
-_CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "io_backend": ("auto", "io_uring", "threads"),
-            "offload_params": ("device", "host", "nvme", "auto"), "offload_optimizer": ("device", "host", "nvme", "auto"),
-            "offload_grads": ("device", "host", "nvme", "auto"),
-            "strategy": ("auto", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from luwu_rt.engine.config import OffloadConfig
-    from luwu_rt.plan import format_size
+    from luwu_rt.cli.flags import add_config_flags
 
-    # The budgets' defaults in --help are OffloadConfig's own, so that the text cannot drift from them.
-    off = OffloadConfig()
-    defaults = {"device_mem": format_size(off.device_mem).replace(" ", ""),
-                "host_mem": format_size(off.host_mem).replace(" ", "")}
-    for name, (_path, kind) in _FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
-                            help=_HELP[name].format(**defaults), choices=_CHOICES.get(name))
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir "
-                                                              "(an error when there is none)")
+    # Every TrainConfig field that is a flag, with the field's type, default and choices ([Note: one flag table]).
+    add_config_flags(parser)
     parser.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",
                         help="--resume when --ckpt-dir holds a checkpoint, else start from step 0")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--keep-nvme-state", dest="keep_nvme_state", action="store_true",
-                        help="keep the NVMe tier's files (luwu_state/ under --nvme-dir, or the scratch directory) "
-                             "after the run; by default they are scratch and removed at exit (the checkpoint is what "
-                             "survives)")
     parser.add_argument("--spawn-node", dest="spawn_node", action="store_true",
                         help="strategy node: start a local optimizer node (luwu node serve) for the --nproc ranks "
                              "and stop it when training ends or fails")
@@ -120,30 +42,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, (path, _kind) in _FLAGS.items():
-        value = getattr(args, name)
-        if value is None:
-            continue
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    if args.resume or args.resume_if_exists:
+    from luwu_rt.cli.flags import config_overrides
+
+    out = config_overrides(args)
+    if args.resume_if_exists:
         out.setdefault("checkpoint", {})["resume"] = True
-    if getattr(args, "keep_nvme_state", False):
-        out.setdefault("offload", {})["keep_nvme_state"] = True
     return out
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's config keys: the flags given over the ``--config`` file, each read under the keys' current
+    names first ([Note: renamed config keys] in config.py)."""
+    from luwu_rt.config import load_toml, merge, upgrade_keys
+    from luwu_rt.engine import TrainConfig
+
+    toml = upgrade_keys(TrainConfig, load_toml(args.config)) if args.config else {}
+    return merge(toml, _overrides(args))
+
+
 def _build(args: argparse.Namespace):
-    from luwu_rt.config import from_mapping, load_toml, merge
+    from luwu_rt.config import from_mapping, merge, upgrade_keys
     from luwu_rt.engine import Engine, TrainConfig
     from luwu_rt.ckpt.format import CheckpointReader
     from luwu_rt.fs import lock_dir, writable_dir
     from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
 
-    settings = merge(load_toml(args.config) if args.config else {}, _overrides(args))
+    settings = _settings(args)
     config = from_mapping(TrainConfig, settings)
     if config.offload.nvme_dir and not os.path.exists(config.offload.nvme_dir):
         # Created as `luwu plan --nvme-dir` assumes, but said: a typo should not fill another disk unnoticed.
@@ -161,7 +85,8 @@ def _build(args: argparse.Namespace):
     if start is None:
         return Engine(None, config)
     reader = CheckpointReader(start)
-    check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(reader.settings, settings)).steps)
+    saved = upgrade_keys(TrainConfig, reader.settings)  # a checkpoint from before a rename keeps its old keys
+    check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(saved, settings)).steps)
     _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
     return Engine.load(start, overrides=settings)
 
@@ -251,7 +176,7 @@ def _scratch_nvme_dir(args: argparse.Namespace) -> Iterator[None]:
     if args.nvme_dir is not None or from_toml is not None:  # "" too: the config refuses it in one line
         yield
         return
-    with scratch_dir(flag="--nvme-dir", keep=args.keep_nvme_state) as scratch:
+    with scratch_dir(flag="--nvme-dir", keep=bool(args.keep_nvme_state)) as scratch:
         # As a flag, so that the ranks of --nproc get it too: one scratch for all, which this process
         # (the launcher) removes after they exit, however they exit.
         args.nvme_dir, args.scratch = scratch.path, scratch
@@ -307,7 +232,8 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
 
         pin_cores(int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("LOCAL_WORLD_SIZE") or world_size))
     if args.nproc is not None or world_size > 1:
-        from luwu_rt.config import from_mapping, load_toml, merge
+        from luwu_rt.cli.flags import config_argv
+        from luwu_rt.config import from_mapping
         from luwu_rt.dist.launch import launch, run_rank
         from luwu_rt.engine import TrainConfig
 
@@ -316,14 +242,11 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
         if args.nproc is not None and world_size > 1:
             raise ValueError("--nproc starts the ranks itself: leave it out under torchrun (WORLD_SIZE is set)")
         # The whole config is checked here, so that the launcher fails before it starts any rank.
-        timeout = from_mapping(TrainConfig, merge(load_toml(args.config) if args.config else {},
-                                                  _overrides(args))).timeout
+        timeout = from_mapping(TrainConfig, _settings(args)).timeout_s
         if args.nproc is not None and args.nproc > 1:
             # The ranks get the flags that were given ('--flag=value', which a value starting with '-' survives).
-            argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in _FLAGS
-                    if getattr(args, name) is not None]
-            argv += [f"--{name.replace('_', '-')}" for name in ("resume", "resume_if_exists", "quiet", "keep_nvme_state")
-                     if getattr(args, name)]
+            argv = config_argv(args)
+            argv += [f"--{name.replace('_', '-')}" for name in ("resume_if_exists", "quiet") if getattr(args, name)]
             argv += [f"--config={args.config}"] if args.config else []
             return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
         if world_size > 1:

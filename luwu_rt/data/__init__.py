@@ -2,7 +2,6 @@
 
 from luwu_rt.data.corpus import DEFAULT_CORPUS_BYTES, stdlib_corpus
 from luwu_rt.data.sampler import BatchSampler
-from luwu_rt.data.tokens import DataConfig, TokenData, add_data_arguments, load_tokens
+from luwu_rt.data.tokens import DataConfig, TokenData, load_tokens
 
-__all__ = ["DEFAULT_CORPUS_BYTES", "BatchSampler", "DataConfig", "TokenData", "add_data_arguments", "load_tokens",
-           "stdlib_corpus"]
+__all__ = ["DEFAULT_CORPUS_BYTES", "BatchSampler", "DataConfig", "TokenData", "load_tokens", "stdlib_corpus"]

@@ -16,18 +16,17 @@ tokens is the validation set, the rest is the training set.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from luwu_rt.config import flag
 from luwu_rt.data.corpus import DEFAULT_CORPUS_BYTES, stdlib_corpus
 
-__all__ = ["BYTE_VOCAB_SIZE", "TOKEN_DTYPES", "DataConfig", "TokenData", "add_data_arguments", "load_tokens",
-           "max_token"]
+__all__ = ["BYTE_VOCAB_SIZE", "TOKEN_DTYPES", "DataConfig", "TokenData", "load_tokens", "max_token"]
 
 BYTE_VOCAB_SIZE = 256
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -45,19 +44,25 @@ _LOAD_SCAN_BYTES = 256 * 2**20
 class DataConfig:
     """Where training tokens come from."""
 
-    path: str | None = None
+    path: str | None = field(default=None, metadata=flag(
+        "text or JSONL file, nanoGPT .bin token file, or directory with train.bin and val.bin (default: the "
+        "Python standard library's source)", name="--data", metavar="PATH"))
     """Text file, nanoGPT ``.bin`` file or directory with ``train.bin``/``val.bin``; ``None`` for the
     embedded standard-library corpus."""
-    token_dtype: str | None = None
+    token_dtype: str | None = field(default=None, metadata=flag(
+        "token dtype of a .bin file (default: uint16 if the vocabulary fits, else uint32)", name="--data-dtype",
+        choices=TOKEN_DTYPES))
     """``uint16`` or ``uint32`` for a ``.bin`` file; ``None`` picks uint16 when the vocabulary fits in it."""
     val_fraction: float = 0.1
     """Share of a single source held out (from its end) for validation."""
     max_corpus_bytes: int = DEFAULT_CORPUS_BYTES
     """How much standard-library source the default corpus reads."""
-    tokenizer: str | None = None
+    tokenizer: str | None = field(default=None, metadata=flag(
+        "tokenizer.json or a model folder that tokenizes a text or JSONL --data once into a cached token file "
+        "beside it (default: an hf:PATH model's own tokenizer; else byte-level text)", metavar="PATH"))
     """``tokenizer.json`` or a folder holding one, for a text or JSONL ``path``; ``None``: the ``hf:PATH``
     model's own tokenizer if its folder has one, else byte-level text (JSONL needs a tokenizer)."""
-    text_field: str = "text"
+    text_field: str = field(default="text", metadata=flag("the field of each JSONL line that holds a document"))
     """The field of each JSONL line that holds a document."""
 
     def __post_init__(self) -> None:
@@ -81,15 +86,6 @@ class TokenData:
     """Every id is below this."""
     source: str
     """Where the tokens came from, for logs."""
-
-
-def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--data`` and ``--data-dtype`` flags, shared by every command that reads tokens."""
-    parser.add_argument("--data", metavar="PATH", default=None,
-                        help="text file (byte-level), nanoGPT .bin token file, or directory with train.bin and "
-                             "val.bin; default: the Python standard library's source")
-    parser.add_argument("--data-dtype", choices=TOKEN_DTYPES, default=None,
-                        help="token dtype of a .bin file (default: uint16 if the vocabulary fits, else uint32)")
 
 
 def load_tokens(config: DataConfig | None = None, *, vocab_size: int,

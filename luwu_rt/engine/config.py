@@ -1,11 +1,20 @@
-"""Configuration of a training run: ``luwu train`` flags, TOML files and the ``Engine`` API."""
+"""Configuration of a training run: ``luwu train`` flags, TOML files and the ``Engine`` API.
+
+The fields that are flags say so in their metadata (``flag(...)``: spelling, help, choices), and
+``luwu_rt/cli/flags.py`` makes ``luwu train``'s and ``luwu plan``'s arguments from them ([Note: one flag
+table] there): the defaults ``--help`` shows are the ones below.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from luwu_rt.config import flag
 from luwu_rt.data import DataConfig
+from luwu_rt.io.engine import BACKENDS
+from luwu_rt.models.presets import PRESETS
 from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan.sizes import parse_size
 from luwu_rt.plan.spec import STRATEGIES
@@ -13,8 +22,13 @@ from luwu_rt.plan.spec import STRATEGIES
 __all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig"]
 
 _TIERS = ("device", "host", "nvme", "auto")
+"""Values of the ``offload`` placements (``--offload-*``)."""
 _DTYPES = ("fp32", "bf16", "fp16")
-_RUNNABLE = STRATEGIES
+"""Values of ``TrainConfig.dtype`` (``--dtype``)."""
+_STRATEGY_CHOICES = ("auto",) + STRATEGIES
+"""Values of ``TrainConfig.strategy`` (``--strategy``)."""
+_KEEP_GRAPHS_WORDS = ("auto", "all", "none")
+"""The words ``TrainConfig.keep_graphs`` takes besides a number of units."""
 
 
 def _size(value: int | str, name: str) -> int:
@@ -24,49 +38,72 @@ def _size(value: int | str, name: str) -> int:
         raise ValueError(f"{name}: {exc}") from None
 
 
+def _count_or_word(text: str) -> int | str:
+    """``--keep-graphs``: a number of units, or one of the words (which ``__post_init__`` checks)."""
+    return int(text) if text.isdigit() else text
+
+
+def _placement(key: str, what: str) -> dict:
+    return flag(f"home of {what}: device, host, nvme or auto, the fastest placement that fits", choices=_TIERS,
+                name=f"--offload-{key}", plans=True)
+
+
 @dataclass(kw_only=True, slots=True)
 class OffloadConfig:
     """Where each state kind lives between uses, and the budgets of the tiers."""
 
-    params: str = "auto"
+    params: str = field(default="auto", metadata=_placement("params", "the parameters"))
     """Home of the compute copy of the parameters: ``device``, ``host``, ``nvme`` or ``auto``."""
-    optimizer: str = "auto"
+    optimizer: str = field(default="auto", metadata=_placement("optimizer", "the master weights and the moments"))
     """Home of the fp32 master weights and the Adam moments."""
-    grads: str = "auto"
+    grads: str = field(default="auto", metadata=_placement("grads", "the gradients"))
     """Home of the gradients between backward and the optimizer step."""
-    device_mem: int | str = "88MiB"
+    device_mem_bytes: int | str = field(default="88MiB", metadata=flag(
+        "device budget including the activations, e.g. 40GiB (default {default}; a CPU arena without a GPU)",
+        name="--device-mem", metavar="SIZE", plans=True))
     """Device budget in bytes (``"4GiB"`` accepted), activations included: the planner reserves what one
     micro-batch's activations and kept graphs take (measured, ``engine/workload.py``) and places shards
     in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it. The
     default is sized for gpt-tiny's default run on the CPU: 77 MiB of activations (every graph kept)
     leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the optimizer
     state as well (9.9 MiB more), so the run uses the device tier for real."""
-    host_mem: int | str = "6MiB"
+    host_mem_bytes: int | str = field(default="6MiB", metadata=flag("pinned host budget, e.g. 200GiB",
+                                                                   name="--host-mem", metavar="SIZE", plans=True))
     """Pinned host arena budget in bytes. The default is below gpt-tiny's optimizer state (9.9 MiB) but
     holds one unit's share of it while that unit is updated, so the planner itself must put the
     optimizer state on NVMe: ``luwu train`` alone uses all three tiers."""
-    nvme_dir: str | None = None
+    nvme_dir: str | None = field(default=None, metadata=flag(
+        "directory of the NVMe tier, created if missing (default: a scratch directory ./luwu-scratch-* made for "
+        "the run and removed at exit; a resumed run makes a new one too)", metavar="DIR", plans=True))
     """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it).
     Created when missing, as ``luwu plan --nvme-dir`` assumes. The tier's files (``luwu_state/`` under it)
     are scratch: the checkpoint, not they, survives a run, so they are removed when the engine closes.
     ``None``: the engine has no NVMe tier; ``luwu train`` then gives it a scratch directory
     ``./luwu-scratch-*`` of its own, removed at exit, and ``luwu plan`` plans with that directory's disk
     ([Note: missing directories] in cli/dirs.py)."""
-    keep_nvme_state: bool = False
+    keep_nvme_state: bool = field(default=False, metadata=flag(
+        "keep the NVMe tier's files (luwu_state/ under --nvme-dir, or the scratch directory) after the run; by "
+        "default they are scratch and removed at exit (the checkpoint is what survives)"))
     """Keep ``luwu_state/`` under ``nvme_dir`` (and ``luwu train``'s scratch directory) after the run, to look
     at it; the next run rebuilds it anyway."""
-    chunk_size: int | str = "4MiB"
+    chunk_bytes: int | str = field(default="4MiB", metadata=flag("storage chunk size, a multiple of 4KiB",
+                                                                 name="--chunk-size", metavar="SIZE", plans=True))
     """Storage chunk: the unit of file IO and checksums; a multiple of 4 KiB."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"device_mem": "device_mem_bytes", "host_mem": "host_mem_bytes",
+                                              "chunk_size": "chunk_bytes"}
+    """Keys this table had before the units rule, read as the new ones ([Note: renamed config keys] in config.py)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer", "grads"):
             if getattr(self, name) not in _TIERS:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {', '.join(_TIERS)}")
-        self.device_mem = _size(self.device_mem, "offload.device_mem")
-        self.host_mem = _size(self.host_mem, "offload.host_mem")
-        self.chunk_size = _size(self.chunk_size, "offload.chunk_size")
-        if self.chunk_size <= 0 or self.chunk_size % 4096:
-            raise ValueError(f"offload.chunk_size={self.chunk_size} must be a positive multiple of 4096 bytes")
+        self.device_mem_bytes = _size(self.device_mem_bytes, "offload.device_mem_bytes (--device-mem)")
+        self.host_mem_bytes = _size(self.host_mem_bytes, "offload.host_mem_bytes (--host-mem)")
+        self.chunk_bytes = _size(self.chunk_bytes, "offload.chunk_bytes (--chunk-size)")
+        if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
+            raise ValueError(f"offload.chunk_bytes={self.chunk_bytes} (--chunk-size) must be a positive multiple of "
+                             f"4096 bytes")
         if self.nvme_dir is not None and not str(self.nvme_dir).strip():  # "" must not quietly mean "no tier"
             raise ValueError("offload.nvme_dir (--nvme-dir) is empty; give a directory, or leave it out (luwu train "
                              "then makes a scratch directory ./luwu-scratch-*)")
@@ -79,11 +116,13 @@ class OffloadConfig:
 class CheckpointConfig:
     """Checkpointing and resuming."""
 
-    dir: str | None = None
+    dir: str | None = field(default=None, metadata=flag("checkpoint directory", name="--ckpt-dir", metavar="DIR"))
     """Where checkpoints go (``<dir>/step_<N>/``); ``None`` saves none."""
-    every: int = 0
+    every: int = field(default=0, metadata=flag("checkpoint every N steps (default {default}: only at the end)",
+                                                name="--ckpt-every", metavar="N"))
     """Save every this many steps (and at the end); 0 saves only at the end."""
-    resume: bool = False
+    resume: bool = field(default=False, metadata=flag(
+        "continue from the latest checkpoint in --ckpt-dir (an error when there is none)", name="--resume"))
     """Continue from the latest complete checkpoint in ``dir``."""
     keep: int = 2
     """Complete checkpoints kept; older ones are deleted after a new one is committed."""
@@ -101,57 +140,77 @@ class CheckpointConfig:
 class TrainConfig:
     """A training run. Keys mirror ``luwu train`` flags; TOML files use the same keys and tables."""
 
-    model: str = "gpt-tiny"
+    model: str = field(default="gpt-tiny", metadata=flag(
+        f"built-in preset ({', '.join(PRESETS)}; default {{default}}) or hf:PATH, a local Hugging Face model folder "
+        "(config.json + safetensors) to fine-tune", metavar="PRESET|hf:PATH", plans=True))
     """Built-in preset (see ``luwu plan --help``) when the engine builds the model, or ``hf:PATH``: a local
     Hugging Face model folder (config.json + safetensors), built from its config and started from its weights."""
-    init_from: str | None = None
+    init_from: str | None = field(default=None, metadata=flag(
+        "safetensors file or folder (a model folder or a luwu export) whose tensors, matched by name, are the first "
+        "weights, streamed in unit by unit", metavar="PATH"))
     """Safetensors file or folder (a Hugging Face model folder or this project's export) whose tensors, matched
     by name, are the first weights, streamed in unit by unit; ``None``: the model's own weights (``hf:PATH``:
     its folder's), or the seed for a model on meta."""
-    steps: int = 300
+    steps: int = field(default=300, metadata=flag("optimizer steps"))
     """Optimizer steps to run in total (a resumed run stops at the same step)."""
-    batch_size: int = 16
+    batch_size: int = field(default=16, metadata=flag("sequences per micro-batch (per rank)", plans=True))
     """Sequences per micro-batch."""
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata=flag("tokens per sequence", plans=True))
     """Tokens per sequence."""
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata=flag("micro-batches of --batch-size sequences per optimizer step",
+                                                     plans=True))
     """Micro-batches per optimizer step."""
-    dtype: str = "fp32"
+    dtype: str = field(default="fp32", metadata=flag(
+        "compute dtype of the parameters and activations; master weights stay fp32", choices=_DTYPES, plans=True))
     """Compute dtype of the parameters and activations: ``fp32``, ``bf16`` or ``fp16``; master weights stay fp32."""
     loss_scale: float = 1024.0
     """Static loss scale for ``fp16`` (steps whose gradients overflow are skipped)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=flag("seed of the initial weights and the batch order"))
     """Seeds the initial weights and the batch order."""
-    eval_every: int = 100
+    eval_every: int = field(default=100, metadata=flag("validation loss every N steps, 0 never", metavar="N"))
     """Evaluate on validation batches every this many steps (0: never)."""
     eval_batches: int = 4
     """Validation batches per evaluation."""
-    trace: str | None = None
+    trace: str | None = field(default=None, metadata=flag(
+        "write the last step's op spans as Chrome trace JSON (open in Perfetto)", metavar="FILE"))
     """Write the last step's per-op spans here as Chrome trace JSON."""
-    json_log: str | None = None
+    json_log: str | None = field(default=None, metadata=flag(
+        "append one JSON line per step (step, loss, tokens_per_s, step_s, ...)", metavar="FILE"))
     """Append one JSON line per step here."""
-    keep_graphs: int | str = "auto"
+    keep_graphs: int | str = field(default="auto", metadata=flag(
+        "units that keep their forward graph until backward instead of recomputing it: auto, all, none or N "
+        "(default {default}: all on the CPU, none on a GPU); kept graphs' activations count against the device budget",
+        metavar="auto|all|none|N", parse=_count_or_word, plans=True))
     """Units whose forward keeps its autograd graph until backward instead of being recomputed: ``"all"``,
     ``"none"``, or a number N (the N units just before the last). Kept graphs save a forward per unit
     (~15-20% of a CPU step in benchmarks/bench_train.py) and cost the units' activations in memory,
     outside the budgets. ``"auto"``: ``"all"`` when computing on the CPU (activations live in host RAM,
     and the step is measured faster), ``"none"`` on a GPU, whose memory the plan's device budget already
     claims ([Note: kept graphs in the engine])."""
-    io_backend: str = "auto"
+    io_backend: str = field(default="auto", metadata=flag("IO engine backend", choices=BACKENDS))
     """IO engine backend: ``auto``, ``io_uring`` or ``threads``."""
-    strategy: str = "auto"
+    strategy: str = field(default="auto", metadata=flag(
+        "data-parallel strategy with several ranks (default {default}: the fastest predicted that fits; one rank "
+        "runs local; node: workers and an optimizer node)", choices=_STRATEGY_CHOICES, plans=True))
     """Data-parallel strategy when several ranks run (``torchrun`` or ``luwu train --nproc N``): ``ddp``,
     ``zero1``, ``zero2``, ``zero3`` or ``hsdp``; ``auto`` lets the planner pick the fastest that fits.
     One rank always runs ``local``."""
-    node: str | None = None
+    node: str | None = field(default=None, metadata=flag(
+        "strategy node: the optimizer node's address, tcp://HOST:PORT of a luwu node serve", metavar="ADDR"))
     """Strategy ``node``: the optimizer node's ZeroMQ address (``tcp://127.0.0.1:5555``), a ``luwu node serve``
     started with ``--num-workers`` equal to the number of ranks."""
-    node_key: str | None = None
+    node_key: str | None = field(default=None, metadata=flag(
+        "strategy node: this worker's .key_secret from luwu node keygen, for a node run with --auth-keys",
+        metavar="FILE"))
     """Strategy ``node`` with a node started with ``--auth-keys``: this worker's ``.key_secret`` file from
     ``luwu node keygen`` (the node's ``node.key`` beside it)."""
-    shard_group_size: int = 0
+    shard_group_size: int = field(default=0, metadata=flag(
+        "hsdp: ranks per sharding group, e.g. the GPUs of one server (default {default}: min(8, world size))",
+        aliases=("--group-size",), metavar="G", plans=True))
     """``hsdp``: ranks per sharding group (G), replicated across groups; 0 means min(8, world size)."""
-    timeout: float = 300.0
+    timeout_s: float = field(default=300.0, metadata=flag(
+        "seconds a rank waits for the others before it exits naming the missing rank", name="--timeout",
+        metavar="S"))
     """Seconds a rank waits for the others (a collective, a barrier) before it gives up and names the rank
     that did not come."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -163,6 +222,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
 
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"timeout": "timeout_s"}
+    """Keys this config had before the units rule, read as the new ones ([Note: renamed config keys] in config.py)."""
+
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
@@ -171,11 +233,13 @@ class TrainConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         if not self.loss_scale > 0:
             raise ValueError(f"loss_scale must be positive, got {self.loss_scale}")
-        if not (self.keep_graphs in ("auto", "all", "none")
+        if not (self.keep_graphs in _KEEP_GRAPHS_WORDS
                 or (isinstance(self.keep_graphs, int) and not isinstance(self.keep_graphs, bool) and self.keep_graphs >= 0)):
             raise ValueError(f"keep_graphs={self.keep_graphs!r}: choose auto, all, none or a number of units >= 0")
-        if self.strategy not in ("auto",) + _RUNNABLE:
-            raise ValueError(f"strategy={self.strategy!r}: choose one of auto, {', '.join(_RUNNABLE)}")
+        if self.strategy not in _STRATEGY_CHOICES:
+            raise ValueError(f"strategy={self.strategy!r}: choose one of {', '.join(_STRATEGY_CHOICES)}")
+        if self.io_backend not in BACKENDS:
+            raise ValueError(f"io_backend={self.io_backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.strategy == "node" and not self.node:
             raise ValueError("strategy node needs --node tcp://HOST:PORT (a running `luwu node serve`), or "
                              "--spawn-node to start one (a node run's checkpoint resumes with either, or without a "
@@ -187,9 +251,9 @@ class TrainConfig:
         if not isinstance(self.shard_group_size, int) or self.shard_group_size < 0:
             raise ValueError(f"shard_group_size must be an integer >= 0, got {self.shard_group_size!r}")
         if self.shard_group_size and self.strategy not in ("hsdp", "auto"):
-            raise ValueError(f"--shard-group-size applies to strategy hsdp, not {self.strategy}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+            raise ValueError(f"--shard-group-size applies to --strategy hsdp only, not {self.strategy}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got {self.timeout_s!r}")
         if self.eval_every < 0 or self.eval_batches <= 0:
             raise ValueError("eval_every must be >= 0 and eval_batches > 0")
         folder = self.model[3:] if isinstance(self.model, str) and self.model.startswith("hf:") else None

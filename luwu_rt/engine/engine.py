@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from luwu_rt.config import from_mapping, merge
+from luwu_rt.config import from_mapping, merge, upgrade_keys
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, run_checkpoints
@@ -91,7 +91,7 @@ class Engine:
     def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True,
                  init_from: str | os.PathLike | None = None) -> None:
         self.config = config = config or TrainConfig()
-        self.world: World = init_from_env(timeout_s=config.timeout)
+        self.world: World = init_from_env(timeout_s=config.timeout_s)
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.param_dtype = COMPUTE_DTYPES[config.dtype]
@@ -178,7 +178,7 @@ class Engine:
             nvme_root = base / "luwu_state"
             # Every rank must plan from the same budgets to make the same plan: the smallest free space.
             nvme_bytes = int(world.all_reduce([shutil.disk_usage(base).free], "min")[0])
-        budgets = Budgets(device_bytes=off.device_mem, host_bytes=off.host_mem, nvme_bytes=nvme_bytes)
+        budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=nvme_bytes)
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size)
@@ -379,7 +379,9 @@ class Engine:
         ``overrides`` changes config keys (e.g. the number of steps, budgets or placement)."""
         reader = CheckpointReader(directory)
         verify_checkpoint(reader, read_data=False)  # complete and self-consistent; data is checked as read
-        config = from_mapping(TrainConfig, merge(reader.settings, overrides or {}))
+        # Each side under the keys' current names before they merge ([Note: renamed config keys] in config.py).
+        config = from_mapping(TrainConfig, merge(upgrade_keys(TrainConfig, reader.settings),
+                                                 upgrade_keys(TrainConfig, overrides or {})))
         engine = cls(model, config, materialize=False)
         engine.run_id = reader.run_id  # a resumed run goes on owning its checkpoints
         if engine._signature() != reader.meta["model"]:

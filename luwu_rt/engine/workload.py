@@ -197,7 +197,7 @@ def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: s
     """``train_model_spec`` for a run of ``config`` on a ``device_type`` device: what ``Engine`` plans, and the
     device budget it needs is ``activation_bytes`` plus the arena it leaves for shards."""
     return train_model_spec(chain, batch_size=config.batch_size, seq_len=config.seq_len,
-                            grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_size, dtype=config.dtype,
+                            grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_bytes, dtype=config.dtype,
                             keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units, device_type=device_type),
                             optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16",
                             # A node worker's gradients leave the process too (pushed, summed on the node): fp32.
@@ -206,7 +206,7 @@ def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: s
 
 def device_budget(config: "TrainConfig", *, arena_bytes: int, chain: UnitChain | None = None,
                   device_type: str = "cpu") -> int:
-    """The ``offload.device_mem`` that leaves ``arena_bytes`` for shards beside the activations a run of
+    """The ``offload.device_mem_bytes`` that leaves ``arena_bytes`` for shards beside the activations a run of
     ``config`` reserves (``chain`` defaults to ``config.model``, built on meta)."""
     if chain is None:
         from luwu_rt.models.adapt import as_unit_chain

@@ -107,7 +107,7 @@ class NodeWorker:
 
     def _client(self, address: str) -> NodeClient:
         e = self.engine
-        return NodeClient(address, rank=e.world.rank, timeout_s=e.config.timeout,
+        return NodeClient(address, rank=e.world.rank, timeout_s=e.config.timeout_s,
                           chunk_bytes=e.model_spec.chunk_bytes, node_key=e.config.node_key)
 
     def begin(self, step: int) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from luwu_rt.config import flag
 
 __all__ = ["OptimConfig"]
 
@@ -11,7 +13,7 @@ __all__ = ["OptimConfig"]
 class OptimConfig:
     """AdamW with linear warmup and cosine decay, and global-norm clipping."""
 
-    lr: float = 3e-3
+    lr: float = field(default=3e-3, metadata=flag("peak learning rate of warmup + cosine decay"))
     """Peak learning rate."""
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
@@ -25,7 +27,8 @@ class OptimConfig:
     """Denominator term."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW)."""
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata=flag(
+        "global-norm clip, 0 off; with it (or with fp16) each update waits for the whole backward", plans=True))
     """Clip the global gradient norm to this; 0 disables clipping."""
 
     def __post_init__(self) -> None:

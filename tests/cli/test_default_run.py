@@ -44,7 +44,7 @@ def test_default_run_names_its_tiers_first_and_removes_its_scratch(tmp_path) -> 
     first = r.stderr.splitlines()[0]
     assert first.startswith("gpt-tiny: ") and "params and grads on device (" in first, first
     assert "device arena" in first and "of activations" in first, first
-    host = format_size(OffloadConfig().host_mem)
+    host = format_size(OffloadConfig().host_mem_bytes)
     assert "optimizer state on nvme at ./luwu-scratch-" in first and f"(host budget {host} < optimizer state" in first
     scratch = first.split(" at ")[1].split()[0]
     assert not (tmp_path / scratch).exists() and _scratches(tmp_path) == []

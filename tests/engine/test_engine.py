@@ -147,7 +147,8 @@ def test_tight_budgets_force_everything_through_nvme(tmp_path, request, referenc
     batches, ref_losses, _ = reference
     request.getfixturevalue("chaos" if chaotic else "no_chaos")
     config = _config(tmp_path, ("auto", "auto", "auto"), offload={"host_mem": "6MiB"})
-    config = replace(config, offload=replace(config.offload, device_mem=device_budget(config, arena_bytes=4 << 20)))
+    budget = device_budget(config, arena_bytes=4 << 20)
+    config = replace(config, offload=replace(config.offload, device_mem_bytes=budget))
     engine = Engine(None, config)
     assert (engine.executor.chaos is not None) == chaotic
     assert "nvme" in (engine.placement.params, engine.placement.optimizer, engine.placement.grads)

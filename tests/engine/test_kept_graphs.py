@@ -28,7 +28,7 @@ def _config(tmp_path, *, keep, params="host", arena="2MiB", grad_accum=1) -> Tra
         "offload": {"params": params, "optimizer": "host", "grads": "host", "device_mem": "1GiB",
                     "host_mem": "64MiB", "chunk_size": "64KiB", "nvme_dir": str(tmp_path / "nvme")}})
     budget = device_budget(config, arena_bytes=parse_size(arena))
-    return replace(config, offload=replace(config.offload, device_mem=budget))
+    return replace(config, offload=replace(config.offload, device_mem_bytes=budget))
 
 
 def _batches(config: TrainConfig):

@@ -113,7 +113,7 @@ def test_kept_graph_bytes_match_the_engine(tmp_path, model, dtype, params) -> No
     config = _engine_config(tmp_path, dtype=dtype, params=params, device_mem="1GiB")
     chain = _sequential() if model == "sequential" else None
     budget = device_budget(config, arena_bytes=parse_size(arena), chain=chain)
-    config = replace(config, offload=replace(config.offload, device_mem=budget))
+    config = replace(config, offload=replace(config.offload, device_mem_bytes=budget))
     engine = Engine(_sequential if model == "sequential" else None, config)
     vocab = 256 if model == "gpt-tiny" else VOCAB
     metrics = engine.train_step(_ids(config.batch_size, config.seq_len, vocab))
@@ -298,11 +298,11 @@ def test_bf16_recomputation_within_a_factor_of_two_of_the_analytic_formula(prese
 def test_model_spec_is_the_engines_with_the_measured_reserve(tmp_path) -> None:
     config = TrainConfig()  # luwu train's defaults: gpt-tiny, 16 x 128 tokens, fp32, keep_graphs auto
     # A budget that holds the reserve, so that this compares the specs before and after the engine reserves it.
-    engine = Engine(None, replace(config, offload=replace(config.offload, device_mem=2**30)), materialize=False)
+    engine = Engine(None, replace(config, offload=replace(config.offload, device_mem_bytes=2**30)), materialize=False)
     keep = kept_units(config.keep_graphs, num_units=engine.chain.num_units, device_type=engine.device.type)
     assert keep == engine.compute.config.keep_graph
     spec = train_model_spec(engine.chain, batch_size=config.batch_size, seq_len=config.seq_len,
-                            grad_accum=config.grad_accum, dtype=config.dtype, chunk_bytes=config.offload.chunk_size,
+                            grad_accum=config.grad_accum, dtype=config.dtype, chunk_bytes=config.offload.chunk_bytes,
                             keep_graph=keep, optimizer_waits_for_backward=config.optim.grad_clip > 0)
     est = measure_activations(engine.chain, batch_size=config.batch_size, seq_len=config.seq_len, keep_graph=keep)
     assert spec == replace(engine.model_spec, activation_bytes=est.peak_bytes)

@@ -6,6 +6,7 @@ import pytest
 
 from luwu_rt.cli.main import main
 from luwu_rt.models.presets import get_preset
+from luwu_rt.plan import STRATEGIES
 
 FIELDS = {"params", "fits", "peak_bytes", "io_bytes_per_step", "predicted_step_s", "bottleneck"}
 GPU_RUN = ("--batch-size", "1", "--seq-len", "0", "--keep-graphs", "none", "--dtype", "bf16", "--chunk-size", "64MiB")
@@ -90,28 +91,22 @@ def test_show_ops_lists_the_plan(capsys):
 
 # -- strategies the engine cannot run yet, hsdp's group flag, the optimizer node, predicted op times -----------
 
-def test_strategies_luwu_train_cannot_run_are_marked(capsys):
-    from luwu_rt.plan import RUNNABLE_STRATEGIES
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_plan_plans_is_one_train_runs(capsys, strategy):
+    """`luwu train --strategy X` takes every strategy the planner plans (once not local), and plan says so
+    (`runnable`, no 'plan only' line), also when the plan does not fit."""
+    from luwu_rt.cli.main import parse_args
 
-    assert "local" in RUNNABLE_STRATEGIES
-    code, out = run_json(capsys, "--model", "gpt-tiny", "--host-mem", "1GiB")
-    assert code == 0 and out["runnable"] is True
-    assert main(["plan", "--host-mem", "1GiB"]) == 0 and "plan only" not in capsys.readouterr().out
-    for strategy in ("zero3", "node"):
-        if strategy in RUNNABLE_STRATEGIES:
-            continue
-        code, out = run_json(capsys, "--strategy", strategy, "--world-size", "2", "--host-mem", "1GiB")
-        assert code == 0 and out["runnable"] is False and out["fits"] is True
-        assert main(["plan", "--strategy", strategy, "--world-size", "2", "--host-mem", "1GiB"]) == 0
-        text = capsys.readouterr().out
-        assert f"plan only: `luwu train` cannot run strategy {strategy} yet" in text
-    # A plan that does not fit still says whether the strategy could run.
-    code, out = run_json(capsys, "--model", "gpt-175b", "--strategy", "node", "--world-size", "8",
-                         "--host-mem", "1GiB", "--node-host-mem", "1GiB")
-    assert code == 1 and out["runnable"] is ("node" in RUNNABLE_STRATEGIES)
-    code, out = run_json(capsys, "--model", "gpt-175b", "--strategy", "zero3", "--world-size", "8",
-                         "--host-mem", "1GiB")
-    assert code == 1 and out["runnable"] is True
+    world = "1" if strategy == "local" else "2"
+    argv = ["--strategy", strategy, "--world-size", world, "--host-mem", "1GiB"]
+    code, out = run_json(capsys, *argv)
+    assert code == 0 and out["runnable"] is True and out["strategy"] == strategy
+    assert main(["plan", *argv]) == 0 and "plan only" not in capsys.readouterr().out
+    assert parse_args(["train", "--strategy", strategy]).strategy == strategy
+    if strategy in ("zero3", "node"):  # a plan that does not fit still says whether train could run it
+        code, out = run_json(capsys, "--model", "gpt-175b", "--strategy", strategy, "--world-size", "8",
+                             "--host-mem", "1GiB", *(("--node-host-mem", "1GiB") if strategy == "node" else ()))
+        assert code == 1 and out["runnable"] is True
 
 
 def test_auto_strategy_is_the_default_for_several_ranks_and_picks_what_train_picks(capsys):
