@@ -194,8 +194,7 @@ def _describe(engine) -> str:
             tiers.setdefault(plan.homes[held[0]], []).append((name, key, sum(sizes[s] for s in held)))
     homes = [f"{' and '.join(n for n, _, _ in groups)} on {_where(engine, tier)} ({_why(engine, tier, groups)})"
              for tier in ("device", "host", "nvme") if (groups := tiers.get(tier))]
-    if engine.node is not None:
-        homes.append("optimizer state on the optimizer node")
+    homes += engine.optimizer.describe()  # beyond the plan's homes: e.g. the optimizer node's
     peaks = ", ".join(f"{t} {format_size(n)}" for t, n in plan.peak_bytes.items() if n)
     if engine.world.distributed:
         s = engine.strategy
@@ -446,11 +445,8 @@ def _train(engine, args: argparse.Namespace) -> int:
 
         every = engine.world.all_gather_object(engine.last_spans)  # one file, one process row per rank
         if first:
-            # The node's queues: a row of its own (one per node shard).
-            shards = [s for s in engine.node.shard_spans if s] if engine.node is not None else []
-            names = ["optimizer node"] if len(shards) == 1 else [f"optimizer node {i}/{len(shards)}"
-                                                                  for i in range(len(shards))]
-            write_rank_traces(every, c.trace, extra=list(zip(names, shards)))
+            # The optimizer's own processes (the node's queues): a row of their own each.
+            write_rank_traces(every, c.trace, extra=engine.optimizer.trace_rows())
     if ran and first:
         avg = {k: v / ran for k, v in totals.items()}
         other = max(avg["step_s"] - avg["compute_s"] - avg["wait_s"], 0.0)
