@@ -281,6 +281,9 @@ class Engine:
 
     def _train_step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor] | list | None) -> dict[str, float]:
         """Runs step ``step`` (1-based) on ``batch`` (``None``: the step's batches of the configured data)."""
+        # Step - 1 is done: the next one, or one that runs again after a node restart, whose rejoin put the
+        # parameters of step - 1 into the store ([Note: a node that restarts] in node/worker.py).
+        self.step = step - 1
         c = self.config
         if batch is None:
             sampler = self.sampler()

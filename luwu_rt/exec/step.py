@@ -104,7 +104,8 @@ class OptimizerStep:
         """The hyper-parameters of ``step``; ``norm``: the step's gradient norm when the plan made the update
         wait for it ([Note: clipping]), else ``None`` (no clipping)."""
         o = self.optim
-        clip = min(1.0, o.grad_clip / (norm + 1e-6)) if norm is not None and o.grad_clip > 0 and math.isfinite(norm) else 1.0
+        clipping = norm is not None and o.grad_clip > 0 and math.isfinite(norm)
+        clip = min(1.0, o.grad_clip / (norm + 1e-6)) if clipping else 1.0
         lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=self.total_steps)
         return AdamWHyper(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
                           grad_scale=clip / self.loss_scale)

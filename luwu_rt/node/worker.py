@@ -7,11 +7,11 @@ its plan pushes each unit's fp32 gradient once backward made it final and pulls
 the unit's updated parameters back ([Note: the node's step] in plan/node.py).
 The master weights and moments the engine materialises (or loads from a
 checkpoint) are not the worker's to keep: ``keep_initial`` takes them, worker 0
-sends them to the node after its HELLO, and every worker drops them. The worker
-keeps the schedule and Adam's count of the step through an ``OptimizerStep``
-whose update runs on the node; the node's STATS say the step's norm and whether
-it skipped ([Note: skipped steps] in exec/step.py). The node
-is joined on the first step, when the step to resume from is known. The loss
+sends them to the node after its HELLO, and every worker drops them. The node
+is joined on the first step, when the step to resume from is known. The worker
+keeps the step's schedule and Adam's count through an ``OptimizerStep`` whose
+update runs on the node; the node's STATS say the step's norm and whether it
+skipped ([Note: skipped steps] in exec/step.py). The loss
 is scaled by 1 / (N x micro-batches) as for every data-parallel strategy, so
 the node's sum of the N pushes is the global batch's gradient.
 
@@ -21,12 +21,13 @@ and every wait of the old connection raises ``NodeLost``. The workers must all
 notice at the same step, or one would replay while another waits in the loss
 all-reduce: so the step's loss all-reduce carries a "lost" flag too
 (``finish_step``), and a worker whose executor failed contributes its flag to
-that same all-reduce before it rejoins (``run_step``). Then each worker reconnects (a new
-client, the HELLO of its first connect, no INIT), learns the snapshot's step s
-from the WELCOME, pulls every unit's parameters after step s into its store,
-and replays steps s+1 ... up to the one it was running. Batches are drawn by
-step number and the node sums the pushes in rank order from the snapshot's
-exact fp32 state, so the replayed steps compute the same losses bit for bit.
+that same all-reduce before it rejoins (``run_step``). Then each worker
+reconnects (a new client, the HELLO of its first connect, no INIT), learns the
+snapshot's step s from the WELCOME, pulls every unit's parameters after step s
+into its store, and replays steps s+1 ... up to the one it was running.
+Batches are drawn by step number and the node sums the pushes in rank order
+from the snapshot's exact fp32 state, so the replayed steps compute the same
+losses bit for bit.
 Batches given to ``train_step`` are kept for two of the node's snapshot
 intervals (its WELCOME says ``snapshot_every``), so those steps replay too.
 
@@ -292,10 +293,12 @@ class NodeWorker:
         return out
 
     def _push(self, op, views) -> WaitAll:
-        return WaitAll([c.push(self.step, op.unit, p) for c, p in zip(self.clients, self._pieces(views, op.unit, "grad")) if p])
+        pieces = self._pieces(views, op.unit, "grad")
+        return WaitAll([c.push(self.step, op.unit, p) for c, p in zip(self.clients, pieces) if p])
 
     def _pull(self, op, views) -> WaitAll:
-        return WaitAll([c.pull(self.step, op.unit, p) for c, p in zip(self.clients, self._pieces(views, op.unit, "param")) if p])
+        pieces = self._pieces(views, op.unit, "param")
+        return WaitAll([c.pull(self.step, op.unit, p) for c, p in zip(self.clients, pieces) if p])
 
     def close(self) -> None:
         """Says BYE to the node shards."""
