@@ -384,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--p7-steps", type=int, default=3, help="measured steps after one warm-up step")
     parser.add_argument("--p7-grad-clip", type=float, default=0.0,
                         help="0 lets each unit's update (and its state IO) overlap the backward; exact clipping "
-                             "makes every update wait for the whole backward (engine/engine.py, [Note: clipping])")
+                             "makes every update wait for the whole backward (exec/step.py, [Note: clipping])")
     parser.add_argument("--nvme-dir", default=os.path.join(tempfile.gettempdir(), "luwu-bench-nvme"),
                         help="a directory on a real disk (not tmpfs); default under the system temp directory")
     parser.add_argument("--trace", default=None, help="write P7's last step as Chrome trace JSON")

@@ -11,60 +11,67 @@ ever visible and no rank waits for a peer that gave up.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from luwu_rt import interrupt
-from luwu_rt.ckpt.format import CheckpointReader, CheckpointWriter, new_run_id, slice_name
-from luwu_rt.plan.spec import ceil_div
+from luwu_rt.ckpt.format import CheckpointReader, CheckpointWriter, slice_name
+from luwu_rt.plan.spec import Strategy, ceil_div
 
-__all__ = ["PERSISTENT", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["PERSISTENT", "RankTensor", "rank_tensors", "save_checkpoint", "verify_checkpoint"]
 
 PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+ReadState = Callable[[int, str, torch.Tensor], torch.Tensor]
+"""``read(unit, state, out)``: this rank's part of a unit's ``state`` after the last step, into ``out``."""
 
-def _my_tensors(engine: Any) -> list[tuple[str, int, str, int]]:
-    """``(name, unit, state, numel)`` of the tensors this rank writes."""
-    strategy, rank = engine.strategy, engine.world.rank
+
+class RankTensor(NamedTuple):
+    """One tensor a rank writes into a checkpoint."""
+
+    name: str
+    """Its entry: ``u<unit>.<state>``, or a slice of it (``slice_name``)."""
+    unit: int
+    state: str
+    numel: int
+    dtype: torch.dtype
+
+
+def rank_tensors(*, strategy: Strategy, rank: int, numels: Sequence[int], param_dtype: torch.dtype) -> list[RankTensor]:
+    """The tensors rank ``rank`` writes: the first replica's slices of what ``strategy`` shards, and (rank 0)
+    the whole of what it replicates; ``numels``: each unit's parameter count."""
     ways = strategy.shard_ways
     out = []
-    for u in range(engine.chain.num_units):
-        n = engine.chain.num_unit_params(u)
+    for u, n in enumerate(numels):
         for state in PERSISTENT:
+            dtype = param_dtype if state == "param" else torch.float32
             if strategy.sharded(state):
                 if rank < ways:  # the first replica's slices (hsdp: the first sharding group)
-                    out.append((slice_name(f"u{u}.{state}", rank, ways), u, state, ceil_div(n, ways)))
+                    out.append(RankTensor(slice_name(f"u{u}.{state}", rank, ways), u, state, ceil_div(n, ways), dtype))
             elif rank == 0:
-                out.append((f"u{u}.{state}", u, state, n))
+                out.append(RankTensor(f"u{u}.{state}", u, state, n, dtype))
     return out
 
 
-def _lock(engine: Any, directory: str | os.PathLike) -> None:
-    """Rank 0 holds the checkpoint directory's lock from its first save until ``Engine.close``
-    ([Note: directory locks] in fs.py): the writer removes leftover partial directories."""
-    from luwu_rt.fs import lock_dir
+def save_checkpoint(directory: str | os.PathLike, *, world: Any, step: int, adam_step: int, run_id: str,
+                    config: dict[str, Any], model: dict[str, Any], strategy: str, tensors: Sequence[RankTensor],
+                    read: ReadState, locks: MutableMapping[str, Any]) -> Path:
+    """Writes ``<directory>/step_<N>`` of step ``step``; every rank of ``world`` (a ``dist.World``) calls it.
 
-    locks = engine.__dict__.setdefault("_dir_locks", {})
-    key = str(Path(directory).resolve())
-    if key not in locks:
-        locks[key] = lock_dir(directory, flag="--ckpt-dir")
-
-
-def save_checkpoint(engine: Any, directory: str | os.PathLike) -> Path:
-    """Writes ``<directory>/step_<N>`` of ``engine``'s current step; every rank calls it."""
-    world = engine.world
+    ``tensors``: what this rank writes (``rank_tensors``), each read by ``read``; ``run_id``, ``config``
+    (the run's settings as a dict), ``model`` (the model's signature), ``strategy``, ``adam_step``: the
+    checkpoint's metadata. ``locks``: the caller's directory locks, held from its first save until it
+    closes ([Note: directory locks] in fs.py): rank 0 adds this directory's."""
     writers: list[CheckpointWriter] = []
-    if getattr(engine, "run_id", None) is None:  # a fresh run: its checkpoints are its own from now on
-        engine.run_id = new_run_id()
 
     def create() -> str | None:
         if world.rank == 0:
-            _lock(engine, directory)
-            writers.append(CheckpointWriter(directory, step=engine.step))
+            _lock(locks, directory)
+            writers.append(CheckpointWriter(directory, step=step))
             return str(writers[0].partial)
         return None
 
@@ -72,13 +79,10 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike) -> Path:
     try:
         def write() -> dict:
             if world.rank != 0:
-                writers.append(CheckpointWriter(directory, step=engine.step, partial=partial))
-            for name, unit, state, numel in _my_tensors(engine):
-                # Strategy node: the optimizer state is the node's ([Note: between two steps], node/service.py).
-                node = engine.node is not None and state != "param"
-                read = engine.node.read_state if node else engine.store.read_state
-                writers[0].add(name, read(unit, state, torch.empty(numel, dtype=engine._dtype_of(state))))
-            interrupt.test_hook("checkpoint", engine.step)
+                writers.append(CheckpointWriter(directory, step=step, partial=partial))
+            for t in tensors:
+                writers[0].add(t.name, read(t.unit, t.state, torch.empty(t.numel, dtype=t.dtype)))
+            interrupt.test_hook("checkpoint", step)
             return writers[0].entries
 
         entries = world.together(write)
@@ -88,10 +92,8 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike) -> Path:
             if world.rank == 0:
                 for other in entries[1:]:
                     writer.merge(other)
-                writer.commit({"run_id": engine.run_id, "config": asdict(engine.config), "step": engine.step,
-                               "adam_step": engine.adam_step,
-                               "model": engine._signature(), "world_size": world.size,
-                               "strategy": engine.strategy.name})
+                writer.commit({"run_id": run_id, "config": config, "step": step, "adam_step": adam_step,
+                               "model": model, "world_size": world.size, "strategy": strategy})
             return writer.final
 
         return world.together(commit)[0]
@@ -99,6 +101,15 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike) -> Path:
         if world.rank == 0 and writers:
             writers[0].abort()
         raise
+
+
+def _lock(locks: MutableMapping[str, Any], directory: str | os.PathLike) -> None:
+    """Locks ``directory`` once per owner of ``locks``: the writer removes leftover partial directories."""
+    from luwu_rt.fs import lock_dir
+
+    key = str(Path(directory).resolve())
+    if key not in locks:
+        locks[key] = lock_dir(directory, flag="--ckpt-dir")
 
 
 def verify_checkpoint(reader: CheckpointReader, *, read_data: bool) -> int:

@@ -119,8 +119,7 @@ def _describe(engine) -> str:
             tiers.setdefault(plan.homes[held[0]], []).append((name, key, sum(sizes[s] for s in held)))
     homes = [f"{' and '.join(n for n, _, _ in groups)} on {_where(engine, tier)} ({_why(engine, tier, groups)})"
              for tier in ("device", "host", "nvme") if (groups := tiers.get(tier))]
-    if engine.node is not None:
-        homes.append("optimizer state on the optimizer node")
+    homes += engine.optimizer.describe()  # beyond the plan's homes: e.g. the optimizer node's
     peaks = ", ".join(f"{t} {format_size(n)}" for t, n in plan.peak_bytes.items() if n)
     if engine.world.distributed:
         s = engine.strategy
@@ -201,7 +200,11 @@ def run(args: argparse.Namespace) -> int:
 
         if args.node_shards < 1:
             raise ValueError(f"--node-shards {args.node_shards}: give a number of node processes >= 1")
-        with spawned_node(num_workers=args.nproc or 1, timeout_s=args.timeout or 300.0,
+        from luwu_rt.engine import TrainConfig
+
+        # The run's --timeout (flag or --config), else TrainConfig's default: the node waits as long as the ranks.
+        timeout_s = _settings(args).get("timeout_s", TrainConfig().timeout_s)
+        with spawned_node(num_workers=args.nproc or 1, timeout_s=timeout_s,
                           num_shards=args.node_shards) as address:
             args.spawn_node, args.node, args.strategy = False, address, args.strategy or "node"
             args.node_shards = 1
@@ -369,11 +372,8 @@ def _train(engine, args: argparse.Namespace) -> int:
 
         every = engine.world.all_gather_object(engine.last_spans)  # one file, one process row per rank
         if first:
-            # The node's queues: a row of its own (one per node shard).
-            shards = [s for s in engine.node.shard_spans if s] if engine.node is not None else []
-            names = ["optimizer node"] if len(shards) == 1 else [f"optimizer node {i}/{len(shards)}"
-                                                                  for i in range(len(shards))]
-            write_rank_traces(every, c.trace, extra=list(zip(names, shards)))
+            # The optimizer's own processes (the node's queues): a row of their own each.
+            write_rank_traces(every, c.trace, extra=engine.optimizer.trace_rows())
     if ran and first:
         avg = {k: v / ran for k, v in totals.items()}
         other = max(avg["step_s"] - avg["compute_s"] - avg["wait_s"], 0.0)

@@ -31,8 +31,9 @@ from typing import Protocol
 
 import torch
 
-from luwu_rt.exec.executor import Handle, Views
+from luwu_rt.exec.executor import Handle, Views, WaitAll
 from luwu_rt.exec.norm import NormHandlers
+from luwu_rt.exec.views import state_dtypes, typed_views
 from luwu_rt.plan.ops import Collective, Gather, NormReduce, Reduce, ShardId, ShardInfo
 
 __all__ = ["CollectiveHandlers", "Group", "TorchGroup"]
@@ -93,7 +94,7 @@ class TorchGroup:
         def add_up() -> None:
             torch.sum(received.view(self.size, -1), dim=0, out=output.view(-1))
 
-        return _Then([work], add_up)
+        return WaitAll([work], add_up)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
         whole = _joined(outputs)
@@ -116,19 +117,6 @@ def _joined(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return flat.as_strided((sum(p.numel() for p in pieces),), (1,))
 
 
-class _Then:
-    """Waits for every handle, then runs ``then`` (work that needs the transfer's result)."""
-
-    def __init__(self, handles: list[Handle], then: Callable[[], None] | None = None) -> None:
-        self.handles, self.then = handles, then
-
-    def wait(self) -> None:
-        for handle in self.handles:
-            handle.wait()
-        if self.then is not None:
-            self.then()
-
-
 class CollectiveHandlers:
     """Executor handlers ``Reduce``, ``Gather`` and ``NormReduce`` for one rank's plan.
 
@@ -139,26 +127,31 @@ class CollectiveHandlers:
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, norms: NormHandlers) -> None:
         self.shards = shards
         self.groups = groups
-        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
+        self.dtypes = state_dtypes(param_dtype=param_dtype, grad_dtype=grad_dtype)
         self.norms = norms
 
     def handlers(self) -> dict[str, Callable[[Collective, Views], Handle]]:
         return {"Reduce": self.reduce, "Gather": self.gather, "NormReduce": self.norm_reduce}
 
-    def _typed(self, views: Views, shard: ShardId) -> torch.Tensor:
-        dtype = self.param_dtype if shard.state.startswith("param") else self.grad_dtype
-        return views[shard].view(dtype)[: self.shards[shard].numel]
+    def _kind(self, views: Views, accesses: Sequence, state: str) -> list[torch.Tensor]:
+        """The typed views of the shards of ``state`` among ``accesses``, in chunk order (none: empty)."""
+        if not any(a.shard.state == state for a in accesses):
+            return []
+        return typed_views(views, self.shards, self.dtypes, states=(state,))[state]
 
-    def _kind(self, accesses: Sequence, state: str) -> list[ShardId]:
-        return sorted((a.shard for a in accesses if a.shard.state == state), key=lambda s: s.chunk)
+    def _full(self, views: Views, accesses: Sequence, state: str) -> torch.Tensor:
+        """The one shard of ``state`` among ``accesses``, a unit's whole buffer, typed and with its padding
+        (the W slices of [Note: slices of a full buffer] end in it)."""
+        (full_id,) = [a.shard for a in accesses if a.shard.state == state]
+        return views[full_id].view(self.dtypes[state])
 
-    def _pieces(self, full: torch.Tensor, slices: list[ShardId], views: Views, ways: int):
+    @staticmethod
+    def _pieces(full: torch.Tensor, slices: list[torch.Tensor], ways: int):
         """(slice shard view, the W views of ``full`` that meet it) per slice shard ([Note: slices of a
         full buffer])."""
-        per_rank = sum(self.shards[s].numel for s in slices)
+        per_rank = sum(part.numel() for part in slices)
         start = 0
-        for shard in slices:
-            part = self._typed(views, shard)
+        for part in slices:
             stop = start + part.numel()
             yield part, [full[r * per_rank + start : r * per_rank + stop] for r in range(ways)]
             start = stop
@@ -166,30 +159,30 @@ class CollectiveHandlers:
     def reduce(self, op: Reduce, views: Views) -> Handle:
         group = self.groups[op.queue]
         if op.collective == "all_reduce":
-            return _Then([group.all_reduce(self._typed(views, a.shard)) for a in op.outputs])
+            (state,) = {a.shard.state for a in op.outputs}
+            return WaitAll([group.all_reduce(part) for part in self._kind(views, op.outputs, state)])
         assert op.collective == "reduce_scatter", op
         full_kind = "grad_full" if any(a.shard.state == "grad_full" for a in op.inputs) else "grad"
-        (full_id,) = self._kind(op.inputs, full_kind)
-        full = views[full_id].view(self.grad_dtype)
+        full = self._full(views, op.inputs, full_kind)
         # zero1 scatters its kept full grad into grad_slice; an accumulating scatter lands there first too.
-        slices = self._kind(op.outputs, "grad_slice") or self._kind(op.outputs, "grad")
-        handles = [group.reduce_scatter(part, inputs) for part, inputs in self._pieces(full, slices, views, group.size)]
+        slices = self._kind(views, op.outputs, "grad_slice") or self._kind(views, op.outputs, "grad")
+        handles = [group.reduce_scatter(part, inputs) for part, inputs in self._pieces(full, slices, group.size)]
         if not op.accumulate:
-            return _Then(handles)
-        grads = self._kind(op.outputs, "grad")
+            return WaitAll(handles)
+        grads = self._kind(views, op.outputs, "grad")
 
         def add() -> None:
             for g, s in zip(grads, slices, strict=True):
-                self._typed(views, g).add_(self._typed(views, s))
+                g.add_(s)
 
-        return _Then(handles, add)
+        return WaitAll(handles, add)
 
     def gather(self, op: Gather, views: Views) -> Handle:
         group = self.groups[op.queue]
-        (full_id,) = [a.shard for a in op.outputs]
-        full = views[full_id].view(self.param_dtype)
-        slices = self._kind(op.inputs, op.inputs[0].shard.state)
-        return _Then([group.all_gather(outputs, part) for part, outputs in self._pieces(full, slices, views, group.size)])
+        (full_kind,) = {a.shard.state for a in op.outputs}
+        full = self._full(views, op.outputs, full_kind)
+        slices = self._kind(views, op.inputs, op.inputs[0].shard.state)
+        return WaitAll([group.all_gather(outputs, part) for part, outputs in self._pieces(full, slices, group.size)])
 
     def norm_reduce(self, op: NormReduce, views: Views) -> Handle:
         if op.collective == "local":
@@ -199,5 +192,5 @@ class CollectiveHandlers:
         def record() -> None:
             self.norms.total_sq = float(total)
 
-        return _Then([self.groups[op.queue].all_reduce(total)], record)
+        return WaitAll([self.groups[op.queue].all_reduce(total)], record)
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from luwu_rt.exec.executor import WaitAll
+
 __all__ = ["LocalGroup", "LocalWorld"]
 
 
@@ -33,17 +35,18 @@ class _Call:
         self.error: BaseException | None = None
 
 
-class _Work:
-    def __init__(self, call: _Call, describe: str, timeout_s: float) -> None:
-        self.call, self.describe, self.timeout_s = call, describe, timeout_s
+def _completion(call: _Call, describe: str, timeout_s: float) -> WaitAll:
+    """The handle of one rank's part of ``call``: its wait ends once the last rank of the group called."""
 
-    def wait(self) -> None:
-        if not self.call.done.wait(self.timeout_s):
-            missing = sorted(set(range(self.call.size)) - set(self.call.args))
-            raise TimeoutError(f"{self.describe} did not complete in {self.timeout_s:g} s: group rank(s) {missing} "
+    def wait() -> None:
+        if not call.done.wait(timeout_s):
+            missing = sorted(set(range(call.size)) - set(call.args))
+            raise TimeoutError(f"{describe} did not complete in {timeout_s:g} s: group rank(s) {missing} "
                                f"never issued it (a deadlock, or ranks issuing collectives in different orders)")
-        if self.call.error is not None:
-            raise self.call.error
+        if call.error is not None:
+            raise call.error
+
+    return WaitAll(then=wait)
 
 
 class LocalWorld:
@@ -74,7 +77,7 @@ class LocalGroup:
         self.rank = rank
         self.size = len(key[1])
 
-    def _issue(self, kind: str, args: tuple, signature: tuple) -> _Work:
+    def _issue(self, kind: str, args: tuple, signature: tuple) -> WaitAll:
         with self.world._lock:
             seq = self.state["issued"][self.key[1][self.rank]]
             self.state["issued"][self.key[1][self.rank]] += 1
@@ -95,17 +98,17 @@ class LocalGroup:
             except BaseException as exc:  # handed to every rank's wait
                 call.error = exc
             call.done.set()
-        return _Work(call, f"group {self.key[0]} call #{seq} ({kind}) of rank {self.rank}", self.world.timeout_s)
+        return _completion(call, f"group {self.key[0]} call #{seq} ({kind}) of rank {self.rank}", self.world.timeout_s)
 
-    def all_reduce(self, tensor: torch.Tensor) -> _Work:
+    def all_reduce(self, tensor: torch.Tensor) -> WaitAll:
         return self._issue("all_reduce", (tensor,), _sig(tensor))
 
-    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> _Work:
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> WaitAll:
         if len(inputs) != self.size:
             raise ValueError(f"reduce_scatter needs {self.size} inputs, got {len(inputs)}")
         return self._issue("reduce_scatter", (output, tuple(inputs)), _sig(output, *inputs))
 
-    def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> _Work:
+    def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> WaitAll:
         if len(outputs) != self.size:
             raise ValueError(f"all_gather needs {self.size} outputs, got {len(outputs)}")
         return self._issue("all_gather", (tuple(outputs), input), _sig(input, *outputs))

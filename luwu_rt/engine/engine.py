@@ -2,10 +2,13 @@
 
 Per step: sample micro-batches, run the step's ``SwapPlan`` through the
 executor, whose ``Compute`` ops run units forward and backward
-(``engine/compute.py``) and whose ``OptimStep`` ops run the fused AdamW kernel
-on each unit's shards as soon as the plan allows (``exec/optim.py``). The plan
-was made once, at construction, from the model's unit sizes, the placement and
-the budgets, and checked by the validator; every step repeats it.
+(``engine/compute.py``) and whose optimizer ops go to where the optimizer runs
+([Note: where the optimizer runs] in exec/place.py): here, where ``OptimStep``
+ops run the fused AdamW kernel on each unit's shards as soon as the plan allows
+(``OptimizerStep`` in exec/step.py), or on optimizer node shards that the plan's
+``Push``/``Pull`` ops reach (node/worker.py). The plan was made once, at
+construction, from the model's unit sizes, the placement and the budgets, and
+checked by the validator; every step repeats it.
 
 [Note: data parallelism in the engine]
 With N ranks (``torchrun`` or ``luwu train --nproc N``) every rank runs its own
@@ -22,26 +25,15 @@ the plan's collectives run on one process group per queue
 - a sharded state holds this rank's slice of each unit (``_mine``), a
   checkpoint the slices of the first replica;
 - metrics (loss, tokens) are reduced over the ranks on the control group.
-
-[Note: clipping]
-Global-norm clipping is exact: it waits for the norm. The gradient norm is only
-known after the whole backward, so with ``grad_clip > 0`` (and for fp16, whose
-overflow check needs the norm too) every optimizer step of the plan reads the
-step's total norm, the output of its ``NormReduce``, which reads every unit's
-``GradNorm`` (``ModelSpec.optimizer_waits_for_backward``): the wait follows from
-the data. Loads of optimizer state still overlap backward; the update itself
-does not. With clipping off, each unit's update overlaps the backward of the
-units below it, and the norm is only reported.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +43,19 @@ from torch import nn
 from luwu_rt.config import from_mapping, merge, upgrade_keys
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
-from luwu_rt.ckpt.format import CheckpointReader, run_checkpoints
+from luwu_rt.ckpt.format import CheckpointReader, new_run_id, run_checkpoints
 from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.fs import writable_dir
-from luwu_rt.ckpt.save import PERSISTENT, save_checkpoint, verify_checkpoint
-from luwu_rt.optim.schedule import lr_at
+from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
-from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers, Queues, Span
+from luwu_rt.exec import Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, busy_by_queue
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, ModelSpec, Placement, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk
-from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -107,22 +97,9 @@ class Engine:
                                                          keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
                                    at_risk=params_at_risk(self.plan))
-        self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=grad_dtype)
-        self.norms = NormHandlers(self.plan.shards, grad_dtype=grad_dtype)
-        handlers = {"Compute": self.compute, "OptimStep": self._optim_step, "GradNorm": self.norms.grad_norm,
-                    "NormReduce": self.norms.norm_reduce}
-        # -- strategy node: pushes and pulls go to the optimizer node ([Note: the worker under strategy node])
-        self.node = None
-        if self.strategy.name == "node":
-            from luwu_rt.node.worker import NodeWorker
-
-            self.node = NodeWorker(self, address=config.node)
-            handlers.update(self.node.handlers())
-        # -- end strategy node
-        if self.world.distributed and self.node is None:
-            groups = {q: TorchGroup(pg) for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
-            handlers.update(CollectiveHandlers(self.plan.shards, groups=groups, param_dtype=self.param_dtype,
-                                               grad_dtype=grad_dtype, norms=self.norms).handlers())
+        self.optimizer: OptimizerPlace = self._place_optimizer(grad_dtype)
+        """Where the optimizer runs ([Note: where the optimizer runs] in exec/place.py)."""
+        handlers = {"Compute": self.compute, **self.optimizer.handlers()}
         # One set of queue threads and streams serves both plans: a unit computes on the same
         # long-lived thread in training and evaluation ([Note: persistent queue threads]).
         self.queues = Queues(device=self.device)
@@ -131,8 +108,10 @@ class Engine:
                                       handlers={k: v for k, v in handlers.items() if k in ("Compute", "Gather")})
         self.step = 0
         """Optimizer steps taken (the step number of the last completed ``train_step``)."""
-        self.adam_step = 0
-        """Updates applied (steps skipped for non-finite gradients do not count), Adam's ``t``."""
+        self.run_id: str | None = None
+        """The run whose checkpoints these are: a fresh run's first ``save`` names it, a loaded one keeps its own."""
+        self._dir_locks: dict[str, Any] = {}
+        """Checkpoint directories this engine locked ([Note: directory locks] in fs.py), until ``close``."""
         self.last_spans: list[Span] = []
         self._sampler = None
         self.init_from = init_from if init_from is not None else config.init_from
@@ -145,8 +124,7 @@ class Engine:
     def close(self) -> None:
         """Joins the queue threads and releases the store's IO engine; idempotent. The engine cannot
         run steps afterwards."""
-        if getattr(self, "node", None) is not None:  # says BYE to the optimizer node
-            self.node.close()
+        self.optimizer.close()  # a node's: says BYE
         self.queues.close()
         self.store.close()
         for lock in getattr(self, "_dir_locks", {}).values():  # checkpoint directories save() locked
@@ -216,8 +194,32 @@ class Engine:
         out[: part.numel()] = part
         return out
 
-    def _dtype_of(self, state: str) -> torch.dtype:
-        return self.param_dtype if state == "param" else torch.float32
+    def _place_optimizer(self, grad_dtype: torch.dtype) -> OptimizerPlace:
+        """Where this run's optimizer runs, chosen here once ([Note: where the optimizer runs] in
+        exec/place.py): under strategy node on the optimizer node shards ([Note: the worker under strategy
+        node] in node/worker.py), else in this process on its store, the plan's collectives (if any)
+        joining the ranks."""
+        c = self.config
+        if self.strategy.name == "node":
+            from luwu_rt.node.worker import NodeWorker
+
+            return NodeWorker(address=c.node, plan=self.plan, store=self.store, model=self.model_spec, optim=c.optim,
+                              total_steps=c.steps, dtype=c.dtype, param_dtype=self.param_dtype,
+                              loss_scale=self.loss_scale, rank=self.world.rank, num_workers=self.world.size,
+                              all_reduce=self.world.all_reduce, timeout_s=c.timeout_s, node_key=c.node_key)
+        step = OptimizerStep(self.plan.shards, optim=c.optim, total_steps=c.steps, loss_scale=self.loss_scale,
+                             param_dtype=self.param_dtype, grad_dtype=grad_dtype)
+        collectives = {}
+        if self.world.distributed:
+            groups = {q: TorchGroup(pg) for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
+            collectives = CollectiveHandlers(self.plan.shards, groups=groups, param_dtype=self.param_dtype,
+                                             grad_dtype=grad_dtype, norms=step.norms).handlers()
+        return LocalOptimizer(step, store=self.store, all_reduce=self.world.all_reduce, collectives=collectives)
+
+    @property
+    def adam_step(self) -> int:
+        """Updates applied (steps skipped for non-finite gradients do not count), Adam's ``t``."""
+        return self.optimizer.adam_step
 
     def _materialize(self) -> None:
         """Writes every unit's first weights into the store, one unit at a time, from the source that
@@ -229,43 +231,25 @@ class Engine:
             self._write_unit(u, {"master": flat, "exp_avg": torch.zeros_like(flat),
                                  "exp_avg_sq": torch.zeros_like(flat)})
 
-    def _write_unit(self, unit: int, states: dict[str, torch.Tensor]) -> None:
-        """Writes a unit's whole buffers (this rank's part of them, ``_mine``) into the store."""
-        if self.node is not None:  # the optimizer states are the node's ([Note: the worker under strategy node])
-            self.node.keep_initial(unit, states)
-            states = {"param": states["param"] if "param" in states else states["master"].to(self.param_dtype)}
-        if "param" not in states:
-            states = {**states, "param": states["master"].to(self.param_dtype)}
-        for state, values in states.items():
-            self.store.write_state(unit, state, self._mine(state, values))
+    def _write_unit(self, unit: int, states: Mapping[str, torch.Tensor]) -> None:
+        """Sets a unit's whole buffers (this rank's part of them, ``_mine``): the parameters in the store, the
+        optimizer state where the optimizer runs; without a ``param`` the compute copy is the master's."""
+        param = states["param"] if "param" in states else states["master"].to(self.param_dtype)
+        self.optimizer.keep_initial(unit, {s: self._mine(s, v) for s, v in states.items() if s != "param"})
+        self.store.write_state(unit, "param", self._mine("param", param))
         self.store.flush()
+
+    def _read_state(self, unit: int, state: str, out: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a unit's ``state`` after the last step: the parameters from the store, the
+        optimizer state from where the optimizer runs."""
+        read = self.store.read_state if state == "param" else self.optimizer.read_state
+        return read(unit, state, out)
 
     # -- training -----------------------------------------------------------------------------
 
-    def _hyper(self, norm: float | None) -> AdamWHyper:
-        """This step's hyper-parameters; ``norm`` is the step's gradient norm when the plan made the
-        update wait for it ([Note: clipping])."""
-        o, c = self.config.optim, self.config
-        clip = min(1.0, o.grad_clip / (norm + 1e-6)) if norm is not None and o.grad_clip > 0 and math.isfinite(norm) else 1.0
-        lr = lr_at(self.step + 1, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=c.steps)
-        return AdamWHyper(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
-                          grad_scale=clip / self.loss_scale)
-
     def grad_norm(self) -> float:
         """Global L2 norm of the last step's (unscaled) gradients."""
-        if self.node is not None:  # the node computed it ([Note: the node protocol]'s STATS)
-            return self.node.grad_norm
-        return math.sqrt(self.norms.total_sq) / self.loss_scale
-
-    def _optim_step(self, op, views) -> None:
-        # OptimStep ops run one at a time on their queue; the first of a step sets the
-        # hyper-parameters. The norm is complete here when it matters ([Note: clipping]).
-        if self._skip is None:
-            total = views.get(ShardId(GLOBAL_UNIT, "norm", 0))
-            norm = math.sqrt(float(total.view(torch.float64)[0])) / self.loss_scale if total is not None else None
-            self._skip = norm is not None and not math.isfinite(norm)
-            self.optimizer.hyper = self._hyper(norm)
-        self.optimizer(op, views, update=not self._skip)
+        return self.optimizer.grad_norm
 
     def sampler(self):
         """The configured training data's batch sampler (created on first use)."""
@@ -292,39 +276,36 @@ class Engine:
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor] | list | None = None) -> dict[str, float]:
         """One optimizer step. ``batch``: ``(inputs, targets)``, a list of ``grad_accum`` of them, or
         ``None`` to draw the next ones from the configured data. Returns the step's metrics."""
-        if self.node is not None:  # replays steps after a node restart ([Note: a node that restarts], node/worker.py)
-            return self.node.train_step(self._train_step, batch)
-        return self._train_step(batch)
+        # Where the optimizer runs may run earlier steps again first ([Note: a node that restarts], node/worker.py).
+        return self.optimizer.run_step(self._train_step, batch, step=self.step + 1)
 
-    def _train_step(self, batch: tuple[torch.Tensor, torch.Tensor] | list | None = None) -> dict[str, float]:
+    def _train_step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor] | list | None) -> dict[str, float]:
+        """Runs step ``step`` (1-based) on ``batch`` (``None``: the step's batches of the configured data)."""
+        # Step - 1 is done: the next one, or one that runs again after a node restart, whose rejoin put the
+        # parameters of step - 1 into the store ([Note: a node that restarts] in node/worker.py).
+        self.step = step - 1
         c = self.config
         if batch is None:
             sampler = self.sampler()
-            batches = [self._my_rows(sampler.batch(self.step * c.grad_accum + i)) for i in range(c.grad_accum)]
+            batches = [self._my_rows(sampler.batch((step - 1) * c.grad_accum + i)) for i in range(c.grad_accum)]
         else:
             batches = list(batch) if isinstance(batch, list) else [batch]
         if len(batches) != c.grad_accum:
             raise ValueError(f"train_step got {len(batches)} micro-batches; the plan was made for grad_accum={c.grad_accum}")
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         self.compute.begin(batches)
-        self._skip = None
-        self.optimizer.step = self.adam_step + 1
-        if self.node is not None:  # joins the optimizer node on the first step; the node updates, this reports the lr
-            self.node.begin(self.step + 1)
-            self.optimizer.hyper = self._hyper(None)
+        self.optimizer.begin_step(step)
         start = time.perf_counter()
         self.last_spans = self.executor.run()
         step_s = time.perf_counter() - start
-        self.step += 1
-        if not self._skip:
-            self.adam_step += 1
         tokens = sum(y.numel() for _, y in batches) * self.world.size
-        busy = _busy_by_queue(self.last_spans)
+        busy = busy_by_queue(self.last_spans)
         part = sum(self.compute.losses) / len(self.compute.losses) / self.world.size
-        (loss,) = [self.node.finish_step(part)] if self.node is not None else self.world.all_reduce([part])
+        result = self.optimizer.finish_step(part)
+        self.step = step
         return {
-            "step": self.step, "loss": loss,
-            "lr": self.optimizer.hyper.lr, "grad_norm": self.grad_norm(), "skipped": bool(self._skip),
+            "step": step, "loss": result.loss,
+            "lr": result.lr, "grad_norm": result.grad_norm, "skipped": result.skipped,
             "step_s": step_s, "tokens_per_s": tokens / step_s, "compute_s": busy.get("compute", 0.0),
             "optim_s": busy.get("optim", 0.0), "kept_bytes": self.compute.kept_bytes,
             "io_s": sum(busy.get(q, 0.0) for q in ("nvme_read", "nvme_write", "h2d", "d2h")),
@@ -364,7 +345,14 @@ class Engine:
     def save(self, directory: str | os.PathLike) -> Path:
         """Writes a checkpoint of the current step under ``directory`` (atomically); returns its path. With
         several ranks every rank calls it ([Note: checkpoints of several ranks] in ckpt/format.py)."""
-        path = save_checkpoint(self, directory)
+        if self.run_id is None:  # a fresh run: its checkpoints are its own from now on
+            self.run_id = new_run_id()
+        numels = [self.chain.num_unit_params(u) for u in range(self.chain.num_units)]
+        path = save_checkpoint(directory, world=self.world, step=self.step, adam_step=self.adam_step,
+                               run_id=self.run_id, config=asdict(self.config), model=self._signature(),
+                               strategy=self.strategy.name, read=self._read_state, locks=self._dir_locks,
+                               tensors=rank_tensors(strategy=self.strategy, rank=self.world.rank, numels=numels,
+                                                    param_dtype=self.param_dtype))
         if self.world.rank == 0:
             # Only this run's checkpoints ([Note: one run per checkpoint directory] in ckpt/resume.py).
             keep = self.config.checkpoint.keep
@@ -390,15 +378,10 @@ class Engine:
         for u in range(engine.chain.num_units):
             n = engine.chain.num_unit_params(u)
             # Whole or in slices, from any strategy and number of ranks; this rank keeps its part.
-            engine._write_unit(u, {state: reader.read_joined(f"u{u}.{state}", n).to(engine._dtype_of(state))
+            engine._write_unit(u, {state: reader.read_joined(f"u{u}.{state}", n).to(
+                                       engine.param_dtype if state == "param" else torch.float32)
                                    for state in PERSISTENT})
-        engine.step, engine.adam_step = reader.meta["step"], reader.meta["adam_step"]
+        engine.step = reader.meta["step"]
+        engine.optimizer.start_at(step=engine.step, adam_step=reader.meta["adam_step"])
         return engine
-
-
-def _busy_by_queue(spans: list[Span]) -> dict[str, float]:
-    busy: dict[str, float] = {}
-    for s in spans:
-        busy[s.queue] = busy.get(s.queue, 0.0) + (s.end_s - s.start_s)
-    return busy
 

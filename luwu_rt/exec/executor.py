@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Literal, Protocol
 
@@ -42,7 +42,7 @@ from luwu_rt.exec.trace import Span
 from luwu_rt.plan.ops import Collective, Free, Load, Op, ShardId, Store, SwapPlan, Wait
 from luwu_rt.store import TieredStore
 
-__all__ = ["DONE", "Executor", "Handle", "Handler", "Views"]
+__all__ = ["DONE", "Executor", "Handle", "Handler", "Views", "WaitAll"]
 
 Views = Mapping[ShardId, torch.Tensor]
 """The op's shard copies as flat uint8 tensors, keyed by shard; outputs override inputs."""
@@ -56,14 +56,28 @@ class Handle(Protocol):
     def wait(self) -> object: ...
 
 
-class _Done:
-    """The handle of a collective that completed inside its start (a local reduction)."""
+class WaitAll:
+    """The one handle type of the executor's handlers: ``wait()`` waits for each of ``handles`` in order
+    (a ``torch.distributed`` ``Work``, a node transfer's handle, another ``WaitAll``: anything with
+    ``wait()``), then runs ``then``, the work that needs their result (a sum of received pieces) or the
+    blocking half of a transfer of its own (a node's receive). With neither it is the handle of a
+    collective that completed inside its start (``DONE``)."""
+
+    __slots__ = ("handles", "then")
+
+    def __init__(self, handles: Sequence[Handle] = (), then: Callable[[], object] | None = None) -> None:
+        self.handles = tuple(handles)
+        self.then = then
 
     def wait(self) -> None:
-        return None
+        for handle in self.handles:
+            handle.wait()
+        if self.then is not None:
+            self.then()
 
 
-DONE = _Done()
+DONE = WaitAll()
+"""A collective that completed inside its start (a local reduction)."""
 Handler = Callable[[Op, Views], "Handle | None"]
 """``(op, views)``: does the op's work; a collective's handler returns the ``Handle`` its ``Wait`` completes."""
 

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from luwu_rt.exec.executor import Views
+from luwu_rt.exec.views import state_dtypes, typed_views
 from luwu_rt.plan.ops import OptimStep, ShardId, ShardInfo
 
 __all__ = ["AdamWHyper", "AdamWHandler"]
 
 _ROLES = {"grad_slice": "grad", "param_slice": "param"}
 """zero1 updates from its reduce-scattered ``grad_slice``; zero1/2 write the updated ``param_slice``."""
+_UPDATED = ("param", "param_slice", "grad", "grad_slice", "master", "exp_avg", "exp_avg_sq")
+"""The state kinds an update reads or writes (not the norms)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,26 +56,24 @@ class AdamWHandler:
         backend: str = "auto",
     ) -> None:
         self.shards = shards
-        self.dtypes = {"param": param_dtype, "grad": grad_dtype, "master": torch.float32,
-                       "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+        self.dtypes = state_dtypes(param_dtype=param_dtype, grad_dtype=grad_dtype)
         self.backend = backend
         self.step = 0
         """The optimizer step number (1-based once set by the caller before each run)."""
         self.hyper = AdamWHyper()
 
-    def _pieces(self, unit_views: dict[str, list[tuple[ShardInfo, torch.Tensor]]]):
-        """Yields ``{state: flat typed view}`` for each run of elements covered by
-        one shard of every state kind."""
+    @staticmethod
+    def _pieces(typed: dict[str, list[torch.Tensor]]):
+        """Yields ``{state: flat typed view}`` for each run of elements covered by one shard of every
+        state kind (``typed``: each kind's typed views in element order, ``typed_views``)."""
         starts: dict[str, list[int]] = {}
-        typed: dict[str, list[torch.Tensor]] = {}
         cuts: set[int] = set()
         total = None
-        for state, items in unit_views.items():
-            pos, starts[state], typed[state] = 0, [], []
-            for info, view in items:
+        for state, items in typed.items():
+            pos, starts[state] = 0, []
+            for view in items:
                 starts[state].append(pos)
-                typed[state].append(view.view(self.dtypes[state])[: info.numel])
-                pos += info.numel
+                pos += view.numel()
             cuts.update(starts[state])
             assert total is None or total == pos, "state kinds of one unit cover different element counts"
             total = pos
@@ -92,13 +93,11 @@ class AdamWHandler:
         from luwu_rt.kernels import adamw_step
 
         assert self.step >= 1, "set handler.step before running the plan"
-        unit_views: dict[str, list[tuple[ShardInfo, torch.Tensor]]] = {}
-        for shard in sorted(views, key=lambda s: (s.state, s.chunk)):
-            role = _ROLES.get(shard.state, shard.state)
-            if role != "norm":  # the step's norm is read by whoever set ``hyper``
-                unit_views.setdefault(role, []).append((self.shards[shard], views[shard]))
+        # The step's norm is read by whoever set ``hyper`` ([Note: clipping] in step.py).
+        typed = {_ROLES.get(state, state): pieces
+                 for state, pieces in typed_views(views, self.shards, self.dtypes, states=_UPDATED).items()}
         h = self.hyper
-        for piece in self._pieces(unit_views):
+        for piece in self._pieces(typed):
             param = piece.get("param")
             # An fp32 compute copy is not a low-precision copy-out: refresh it from the master.
             fused_out = param if update and param is not None and param.dtype != torch.float32 else None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from luwu_rt.plan.ops import Op
 
-__all__ = ["Span", "write_chrome_trace", "write_rank_traces"]
+__all__ = ["Span", "busy_by_queue", "write_chrome_trace", "write_rank_traces"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,15 @@ class Span:
         if op.inputs and op.outputs and op.kind in ("Load", "Store"):
             label += f" {op.inputs[0].tier}->{op.outputs[0].tier}"
         return cls(f"{op.kind} {label}".strip(), op.queue, start, end, nbytes, tier)
+
+
+def busy_by_queue(spans: Iterable[Span]) -> dict[str, float]:
+    """Seconds each queue spent inside its ops' work: what a step's metrics break its time into (the
+    queues overlap, so the sum may exceed the step)."""
+    busy: dict[str, float] = {}
+    for s in spans:
+        busy[s.queue] = busy.get(s.queue, 0.0) + (s.end_s - s.start_s)
+    return busy
 
 
 def write_chrome_trace(spans: Iterable[Span], path: str | os.PathLike) -> None:

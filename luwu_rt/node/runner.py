@@ -23,7 +23,6 @@ that reconnected) can still be answered from the other buffer.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from luwu_rt.optim.schedule import lr_at
-from luwu_rt.exec import AdamWHandler, AdamWHyper, Executor, NormHandlers
+from luwu_rt.config import from_mapping
+from luwu_rt.exec import Executor, OptimizerStep, WaitAll, busy_by_queue, state_dtypes, typed_views
 from luwu_rt.exec.chaos import Chaos
+from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan import Budgets, Placement, plan_node_auto, validate
-from luwu_rt.plan.ops import GLOBAL_UNIT, ShardId
 from luwu_rt.store import TieredStore
 
 from .manifest import model_spec
@@ -49,14 +48,6 @@ __all__ = ["NodeRunner", "Pushes", "Served"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NODE_CHAOS_RANK = 1 << 16
 """The node draws chaos delays of its own, not those of any worker rank."""
-
-
-class _Later:
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-
-    def wait(self) -> None:
-        self.fn()
 
 
 class Pushes:
@@ -220,20 +211,22 @@ class NodeRunner:
         self.pushes = Pushes(self.numels, num_workers=num_workers, chunk_bytes=self.model.chunk_bytes,
                              applied=start_step)
         self.served = Served([n * self.param_dtype.itemsize for n in self.numels])
-        self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=torch.float32)
-        self.norms = NormHandlers(self.plan.shards, grad_dtype=torch.float32)
+        # The step the workers' engines would take ([Note: clipping] in exec/step.py), from their HELLO.
+        self.optimizer = OptimizerStep(
+            self.plan.shards, optim=from_mapping(OptimConfig, manifest["optim"], where="HELLO manifest optim"),
+            total_steps=int(manifest["steps"]), loss_scale=float(manifest["loss_scale"]),
+            param_dtype=self.param_dtype, grad_dtype=torch.float32, adam_step=adam_step)
+        self.dtypes = state_dtypes(param_dtype=self.param_dtype, grad_dtype=torch.float32)
         self.on_served = on_served
         self.exchange_norms = exchange_norms
         if (num_shards > 1) != (exchange_norms is not None):
             raise ValueError("node shards exchange their norms: exchange_norms is needed exactly when num_shards > 1")
-        handlers = {"Recv": self._recv, "Serve": self._serve, "OptimStep": self._optim_step,
-                    "GradNorm": self.norms.grad_norm,
-                    "NormReduce": self._norm_across if exchange_norms else self.norms.norm_reduce}
+        handlers = {"Recv": self._recv, "Serve": self._serve, **self.optimizer.handlers()}
+        if exchange_norms:
+            handlers["NormReduce"] = self._norm_across
         self.executor = Executor(self.plan, store=self.store, handlers=handlers,
                                  chaos=Chaos.from_env(rank=NODE_CHAOS_RANK) if chaos == "env" else chaos)
         self.step = start_step
-        self.adam_step = adam_step
-        self._skip: bool | None = None
         self.metrics: dict[str, float] = {}
 
     def close(self) -> None:
@@ -258,67 +251,49 @@ class NodeRunner:
             for s in INIT_STATES:
                 yield (u, s), self.store.read_state(u, s, torch.empty(n, dtype=torch.float32))
 
+    @property
+    def adam_step(self) -> int:
+        """Updates applied (skipped steps do not count), Adam's ``t`` of the last step."""
+        return self.optimizer.adam_step
+
     # -- handlers ---------------------------------------------------------------------------------
 
     def _pieces(self, views, state: str) -> list[torch.Tensor]:
-        dtype = self.param_dtype if state == "param" else torch.float32
-        ids = sorted((s for s in views if s.state == state), key=lambda s: s.chunk)
-        return [views[s].view(dtype)[: self.plan.shards[s].numel] for s in ids]
+        return typed_views(views, self.plan.shards, self.dtypes, states=(state,))[state]
 
-    def _recv(self, op, views) -> _Later:
+    def _recv(self, op, views) -> WaitAll:
         step, out = self.step, self._pieces(views, "grad")
-        return _Later(lambda: self.pushes.take(step=step, unit=op.unit, out=out, timeout_s=self.timeout_s))
+        return WaitAll(then=lambda: self.pushes.take(step=step, unit=op.unit, out=out, timeout_s=self.timeout_s))
 
-    def _serve(self, op, views) -> _Later:
+    def _serve(self, op, views) -> WaitAll:
         self.served.publish(op.unit, self.step, self._pieces(views, "param"))
         self.on_served(op.unit, self.step)
-        return _Later(lambda: None)
+        return WaitAll()
 
-    def _norm_across(self, op, views) -> _Later:
+    def _norm_across(self, op, views) -> WaitAll:
         """NormReduce over the node shards: this shard's sum, then every shard's partial from shard 0, summed
         in shard order, so every shard holds the same bits ([Note: node shards] in shards.py)."""
-        step, out = self.step, self.norms.local_sum(op, views)
+        norms = self.optimizer.norms
+        step, out = self.step, norms.local_sum(op, views)
         partial = float(out[0])
 
         def finish() -> None:
             total = sum(self.exchange_norms(step, partial))
             out[0] = total
-            self.norms.total_sq = total
+            norms.total_sq = total
 
-        return _Later(finish)
-
-    def _optim_step(self, op, views) -> None:
-        # As Engine._optim_step: the first update of a step sets the hyper-parameters; with exact
-        # clipping the plan made it wait for the step's norm ([Note: clipping] in engine.py).
-        if self._skip is None:
-            total = views.get(ShardId(GLOBAL_UNIT, "norm", 0))
-            scale = float(self.manifest["loss_scale"])
-            norm = math.sqrt(float(total.view(torch.float64)[0])) / scale if total is not None else None
-            self._skip = norm is not None and not math.isfinite(norm)
-            o = self.manifest["optim"]
-            clip = min(1.0, o["grad_clip"] / (norm + 1e-6)) if norm is not None and o["grad_clip"] > 0 \
-                and math.isfinite(norm) else 1.0
-            lr = lr_at(self.step, lr=o["lr"], min_lr=o["min_lr"], warmup_steps=o["warmup_steps"],
-                       total_steps=int(self.manifest["steps"]))
-            self.optimizer.hyper = AdamWHyper(lr=lr, beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
-                                              weight_decay=o["weight_decay"], grad_scale=clip / scale)
-        self.optimizer(op, views, update=not self._skip)
+        return WaitAll(then=finish)
 
     def run_step(self) -> dict[str, float]:
         """Runs the node's plan for the next step; returns its metrics (seconds busy per queue)."""
         self.step += 1
-        self._skip = None
-        self.optimizer.step = self.adam_step + 1
+        self.optimizer.begin(self.step)
         start = time.perf_counter()
         spans = self.last_spans = self.executor.run()
-        if not self._skip:
-            self.adam_step += 1
-        busy: dict[str, float] = {}
-        for s in spans:
-            busy[s.queue] = busy.get(s.queue, 0.0) + (s.end_s - s.start_s)
+        result = self.optimizer.finish()
+        busy = busy_by_queue(spans)
         self.metrics = {"step": self.step, "step_s": time.perf_counter() - start, "recv_s": busy.get("push", 0.0),
                         "optim_s": busy.get("optim", 0.0), "send_s": busy.get("pull", 0.0),
                         "io_s": busy.get("nvme_read", 0.0) + busy.get("nvme_write", 0.0),
-                        "grad_norm": math.sqrt(self.norms.total_sq) / float(self.manifest["loss_scale"]),
-                        "skipped": bool(self._skip)}
+                        "grad_norm": result.grad_norm, "skipped": result.skipped}
         return self.metrics

@@ -314,7 +314,7 @@ class _Sequence:
         needs += tuple(n for s in OPTIMIZER_KINDS for n in self.needs((u,), s, tier, "rw"))
         needs += self.needs((u,), self.pkind, tier, "w")
         if waits and _tracks_norm(self.model, self.strategy):
-            needs += self.needs((GLOBAL_UNIT,), "norm", tier, "r")  # [Note: clipping] in engine.py
+            needs += self.needs((GLOBAL_UNIT,), "norm", tier, "r")  # [Note: clipping] in exec/step.py
         self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.elements(u, "master"), tier=tier), needs)
         if self.pkind == "param_slice":
             self.collective(Gather, "gather", u, "all_gather", self.full_bytes(u, "param"),

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from luwu_rt.dist import CollectiveHandlers, LocalWorld
-from luwu_rt.exec import AdamWHandler, Executor, NormHandlers
+from luwu_rt.exec import AdamWHandler, Executor, NormHandlers, WaitAll
 from luwu_rt.exec.chaos import Chaos
 from luwu_rt.exec.optim import AdamWHyper
 from luwu_rt.io import IOEngine
@@ -244,16 +244,6 @@ class NodeLink:
         return self.served[key]
 
 
-class _Later:
-    """A handle whose ``wait`` does the blocking half of a node transfer."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def wait(self) -> None:
-        self.fn()
-
-
 def _pieces(views, shards, state: str) -> list[torch.Tensor]:
     ids = sorted((s for s in views if s.state == state), key=lambda s: s.chunk)
     return [views[s].view(torch.float32)[: shards[s].numel] for s in ids]
@@ -264,7 +254,7 @@ def _transfer_handlers(shards, link: NodeLink, who: "Rank", *, node: bool) -> di
         state = "param" if node else "grad"
         values = torch.cat(_pieces(views, shards, state))
         (link.serve if node else lambda k, v: link.push(k, who.rank, v))((who.step, op.unit), values)
-        return _Later(lambda: None)
+        return WaitAll()
 
     def receive(op, views):  # node Recv / worker Pull: completes in the wait, into the shards
         state = "grad" if node else "param"
@@ -275,7 +265,7 @@ def _transfer_handlers(shards, link: NodeLink, who: "Rank", *, node: bool) -> di
             for piece in _pieces(views, shards, state):
                 piece.copy_(values[start : start + piece.numel()])
                 start += piece.numel()
-        return _Later(finish)
+        return WaitAll(then=finish)
 
     return {"Serve": send, "Recv": receive} if node else {"Push": send, "Pull": receive}
 

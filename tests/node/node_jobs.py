@@ -46,7 +46,7 @@ def train_metrics(rank: int, runs: list[tuple[str, dict, str]], given: tuple[str
             else:
                 metrics = [engine.train_step() for _ in range(STEPS)]
             out[key] = {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
-                        "replayed": engine.node.replayed, "rejoins": engine.node.rejoins}
+                        "replayed": engine.optimizer.replayed, "rejoins": engine.optimizer.rejoins}
     return out
 
 

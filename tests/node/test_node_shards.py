@@ -91,7 +91,7 @@ def test_two_workers_and_two_node_shards_equal_the_single_process_run(local_loss
         numels = [s.runner.numels for s in shards.services]
         assert all(a > 0 and b > 0 and abs(a - b) <= 1 for a, b in zip(*numels)), numels
         assert all(sum(s.rejects.values()) == 0 for s in shards.services), [dict(s.rejects) for s in shards.services]
-        assert shards.services[0].runner.norms.total_sq == shards.services[1].runner.norms.total_sq
+        assert shards.services[0].runner.optimizer.norms.total_sq == shards.services[1].runner.optimizer.norms.total_sq
 
 
 def test_three_workers_and_two_node_shards_equal_the_single_process_run() -> None:
