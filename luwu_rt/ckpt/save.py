@@ -74,7 +74,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike) -> Path:
             if world.rank != 0:
                 writers.append(CheckpointWriter(directory, step=engine.step, partial=partial))
             for name, unit, state, numel in _my_tensors(engine):
-                # Strategy node: the optimizer state is the node's ([Note: between two steps], node/service.py).
+                # Strategy node: the optimizer state is the node's ([Note: between two steps], node/steps.py).
                 node = engine.node is not None and state != "param"
                 read = engine.node.read_state if node else engine.store.read_state
                 writers[0].add(name, read(unit, state, torch.empty(numel, dtype=engine._dtype_of(state))))

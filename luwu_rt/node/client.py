@@ -261,14 +261,14 @@ class NodeClient:
 
     def read_state(self, step: int, unit: int, index: int, pieces: list[tuple[int, torch.Tensor]]):
         """Asks for ``unit``'s optimizer state ``INIT_STATES[index]`` after ``step`` (the node's last), for a
-        checkpoint ([Note: between two steps] in service.py); written into ``pieces`` like a pull's."""
+        checkpoint ([Note: between two steps] in steps.py); written into ``pieces`` like a pull's."""
         transfer = self._expect(index, step, unit, pieces)
         self._send(Message(T.GET_STATE, job=self.job, rank=self.rank, step=step, unit=unit, chunk=index,
                            epoch=self.epoch))
         return _Wait(self, transfer, f"worker {self.rank}: reading unit {unit}'s optimizer state after step {step}")
 
     def begin(self, step: int) -> None:
-        """Tells the node this worker starts ``step`` ([Note: between two steps] in service.py)."""
+        """Tells the node this worker starts ``step`` ([Note: between two steps] in steps.py)."""
         self._send(Message(T.BEGIN, job=self.job, rank=self.rank, step=step, epoch=self.epoch))
 
     def _expect(self, kind: int, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]) -> _Transfer:
