@@ -197,20 +197,20 @@ def handshake_problem(event: int, value: int, *, address: str, key: str | None, 
 
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (f"the optimizer node at {address} does not allow this worker's key (--node-key {key}, public key "
-                f"{(public or b'').decode(errors='replace')}): add its public key to the node's --auth-keys "
-                f"DIR/clients, or use a key made there (luwu node keygen DIR --client NAME)")
+                f"{(public or b'').decode(errors='replace')}): add it to the node's --auth-keys DIR/clients, or use "
+                f"a key made there (luwu node keygen DIR --client NAME)")
     mismatch = event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == getattr(
         zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", -1)
     if mismatch and key is None:
-        return (f"the optimizer node at {address} requires CURVE keys: pass --node-key FILE, a worker's .key_secret "
-                f"made by `luwu node keygen DIR` for that node (with DIR/node.key beside it)")
+        return (f"the optimizer node at {address} requires CURVE keys: pass --node-key DIR/NAME.key_secret (luwu "
+                f"node keygen DIR)")
     if mismatch:
         return (f"the optimizer node at {address} does not use CURVE (it runs without --auth-keys): leave out "
                 f"--node-key {key}")
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         return (f"the handshake with the optimizer node at {address} failed (ZMTP error {value:#x}): is a luwu node "
                 f"serve of this version listening there?")
-    if key is not None:
-        return (f"the optimizer node at {address} ended the CURVE handshake: the node.key beside --node-key {key} is "
-                f"not that node's key (copy node.key from the node's --auth-keys directory)")
+    if key is not None:  # the node hung up: it runs without CURVE, or with another key pair than node.key's
+        return (f"the optimizer node at {address} ended the CURVE handshake: it runs without --auth-keys (then "
+                f"leave out --node-key), or the node.key beside --node-key {key} is not its key")
     return None

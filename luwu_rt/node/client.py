@@ -15,7 +15,8 @@ waiting transfer fails naming the node's address; the join waits at most
 ``timeout_s`` for the WELCOME after this worker's last HELLO or INIT. A
 refused handshake (no CURVE keys, a key not allowed) fails every wait at once
 ([Note: refused handshakes] in auth.py), and a stop request (SIGINT, SIGTERM)
-ends a wait that sees no progress ([Note: interrupting a run] in interrupt.py).
+ends a wait that sees no progress for ``STOP_GRACE_S``, the join at once ([Note: interrupting a run] in
+interrupt.py).
 The IO thread never blocks on a send: a DEALER with no live connection would
 hold it (and so ``close``) forever.
 
@@ -55,8 +56,10 @@ PARAMS = -1
 """The kind of an expected transfer that is a unit's parameters (else the index of an optimizer state)."""
 HEARTBEAT_S = 1.0
 """How often the client says it is alive, and asks the node to say so."""
-STOP_GRACE_S = 2.0
-"""After a stop request, how long a wait may see no progress from the node before it gives up."""
+STOP_GRACE_S = 10.0
+"""After a stop request, how long a wait within a step may see no progress from the node before it gives
+up (the step, and the checkpoint after it, are worth a few seconds; a hung node is not). A join, with no
+step under way, gives up at once."""
 _VAGUE_FAILURES = 3
 """Handshakes that fail without a reason, in a row, before the client believes it (a connection cut
 mid-handshake, once, is not a refusal)."""
@@ -147,34 +150,34 @@ class NodeClient:
             with self._lock:
                 self._wake.send(b"")
 
-    def _wait(self, event: threading.Event, what: str, *, deadline: float | None = None,
-              late: str = "") -> None:
+    def _wait(self, event: threading.Event, what: str, *, deadline: float | None = None, late: str = "",
+              grace_s: float = STOP_GRACE_S) -> None:
         """Waits for ``event``; ``deadline``: a monotonic time by which it must be set (``late`` says why
-        it was not)."""
+        it was not); ``grace_s``: how long it may see no progress after a stop request."""
         started = time.monotonic()
         while not event.wait(0.2):
-            self._check(what, started=started)
+            self._check(what, started=started, grace_s=grace_s)
             if deadline is not None and time.monotonic() > deadline:
                 raise NodeError(f"{what}: {late}; raise --timeout to wait longer")
         if self.error is not None:
             raise NodeError(f"{what}: {self.error}")
 
-    def _check(self, what: str, *, started: float) -> None:
+    def _check(self, what: str, *, started: float, grace_s: float = STOP_GRACE_S) -> None:
         """Raises if the node restarted, failed, refused the handshake or went silent, or (``Interrupted``)
         a stop was requested and the node shows no progress; for every wait on it."""
         if self.lost is not None:
             raise NodeLost(f"{what}: {self.lost}")
         if self.error is not None:
             raise NodeError(f"{what}: {self.error}")
-        if self.refused is not None:
-            raise NodeError(f"{what}: {self.refused}")
+        if self.refused is not None:  # whatever this worker was doing: the line fits a rank's failure report
+            raise NodeError(self.refused)
         now = time.monotonic()
         silent = now - self.last_heard
         if silent > self.timeout_s:
             raise NodeError(f"{what}: the optimizer node at {self.address} said nothing for {silent:.0f}s (it "
                             f"died or hung; is `luwu node serve` running there?); raise --timeout to wait longer")
         signum = interrupt.pending()
-        if signum is not None and now - max(started, self.last_progress) > STOP_GRACE_S:
+        if signum is not None and now - max(started, self.last_progress) >= min(grace_s, self.timeout_s):
             raise interrupt.Interrupted(signum, f"{signal.Signals(signum).name}: stopped waiting for the optimizer "
                                                 f"node at {self.address} ({what})")
 
@@ -229,10 +232,11 @@ class NodeClient:
                                         f"worker 0 sending the initial state of unit {unit}", flush=False)
             self._send(Message(T.INIT, flags=F.LAST, job=self.job, rank=0))
         count = manifest.get("num_workers", 1)
-        self._wait(self._welcomed, f"worker {self.rank} joining the optimizer node", deadline=time.monotonic() + self.timeout_s,
-                   late=f"no WELCOME from the optimizer node at {self.address} within {self.timeout_s:g}s; it welcomes "
-                        f"the workers once all {count} said HELLO and worker 0 sent the initial state: are all {count} "
-                        f"started, with the same --node?")
+        late = (f"no WELCOME from the optimizer node at {self.address} within {self.timeout_s:g}s; it welcomes the "
+                f"workers once all {count} said HELLO and worker 0 sent the initial state: are all {count} started, "
+                f"with the same --node?")
+        self._wait(self._welcomed, f"worker {self.rank} joining the optimizer node",
+                   deadline=time.monotonic() + self.timeout_s, late=late, grace_s=0.0)
         return self.welcome
 
     def push(self, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]):
@@ -355,8 +359,9 @@ class NodeClient:
             self._vague += 1
             if self._vague < _VAGUE_FAILURES:
                 return
-            problem = problem or (f"the handshake with the optimizer node at {self.address} failed {self._vague} "
-                                  f"times without a reason: is a luwu node serve of this version listening there?")
+            problem = problem or (f"the optimizer node at {self.address} ended the handshake {self._vague} times: it "
+                                  f"may require CURVE keys (--node-key DIR/NAME.key_secret), or be no luwu node "
+                                  f"serve of this version")
         if problem and self.refused is None:
             self.refused = problem
 

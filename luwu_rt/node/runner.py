@@ -122,7 +122,8 @@ class Pushes:
             start += piece.numel()
 
     def _missing(self, step: int, unit: int, timeout_s: float) -> str:
-        missing = [r for r in range(self.num_workers) if r not in self.parts[unit] or not self.parts[unit][r][1].complete]
+        parts = self.parts[unit]
+        missing = [r for r in range(self.num_workers) if r not in parts or not parts[r][1].complete]
         now = time.monotonic()
         ages = ", ".join(f"worker {r} last heard {now - self.heard[r]:.1f}s ago" if r in self.heard
                          else f"worker {r} never heard" for r in missing)

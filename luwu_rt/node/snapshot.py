@@ -198,7 +198,8 @@ class SnapshotDir:
             self.newest = write_snapshot(self.root, manifest=manifest, step=step, adam_step=adam_step, states=states,
                                          shard=self.shard)
         except OSError as exc:
-            kept = f"the newest snapshot is still {self.newest}" if self.newest else "there is no snapshot to resume from"
+            kept = (f"the newest snapshot is still {self.newest}" if self.newest
+                    else "there is no snapshot to resume from")
             self.log(f"snapshot of step {step} failed: {exc}; its partial directory is removed and training goes "
                      f"on, less protected ({kept}) until a later snapshot succeeds")
             return None
