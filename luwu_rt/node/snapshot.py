@@ -47,7 +47,7 @@ from .manifest import model_spec
 from .protocol import INIT_STATES
 from .shards import slice_of
 
-__all__ = ["KEEP_SNAPSHOTS", "Snapshot", "SnapshotDir", "latest_snapshot", "write_snapshot"]
+__all__ = ["KEEP_SNAPSHOTS", "Snapshot", "SnapshotDir", "latest_snapshot", "verify_snapshot", "write_snapshot"]
 
 KEEP_SNAPSHOTS = 2
 """Snapshots kept: the newest, and the one to fall back to when the newest is damaged."""
@@ -99,9 +99,10 @@ def _prune(root: Path, keep: int) -> None:
             continue  # a damaged one newer than the kept ones stays: the node skips it at start
 
 
-def _verify(path: Path) -> Snapshot:
+def verify_snapshot(path: str | os.PathLike) -> Snapshot:
     """The snapshot at ``path`` with every file read against its checksum and every unit's states there;
     raises ``ValueError``/``OSError`` saying what is wrong."""
+    path = Path(path)
     reader = CheckpointReader(path, kind=NODE_SNAPSHOT)
     meta = reader.meta
     try:
@@ -131,7 +132,7 @@ def latest_snapshot(root: str | os.PathLike | None, *, log: Callable[[str], None
         return None
     for path in reversed(list_checkpoints(root)):
         try:
-            return _verify(path)
+            return verify_snapshot(path)
         except (ValueError, OSError) as exc:
             if skipped is not None:
                 skipped.append(f"{path.name}: {exc}")

@@ -130,20 +130,25 @@ def test_a_damaged_snapshot_is_skipped_for_the_previous_one(tmp_path):
     assert any("step_00000006" in line and "skipped" in line for line in lines), lines
 
 
-def test_snapshots_and_training_checkpoints_are_told_apart(tmp_path):
-    """One writer and reader for both, and ``meta.kind`` between them: a node refuses a directory of training
-    checkpoints, ``luwu train --resume`` refuses one of node snapshots, and an old-format snapshot
-    (``meta.json``) is refused naming its path and what to do."""
+def test_snapshots_and_training_checkpoints_are_told_apart(tmp_path, capsys):
+    """One writer and reader for both, and ``meta.kind`` between them: ``luwu ckpt verify`` checks a snapshot
+    too, a node refuses a directory of training checkpoints, ``luwu train --resume`` refuses one of node
+    snapshots, and an old-format snapshot (``meta.json``) is refused naming its path and what to do."""
     import pytest
     from test_protocol import manifest
 
     from luwu_rt.ckpt.format import NODE_SNAPSHOT, CheckpointReader, CheckpointWriter
     from luwu_rt.ckpt.resume import choose_checkpoint
+    from luwu_rt.cli.main import main
     from luwu_rt.node.service import NodeConfig, NodeService
 
     snaps = tmp_path / "snaps"
     path = write_snapshot(snaps, manifest=manifest(), step=3, adam_step=3, states=_states(0), shard=[0, 1])
     assert CheckpointReader(path, kind=NODE_SNAPSHOT).meta["adam_step"] == 3
+    assert main(["ckpt", "verify", str(snaps)]) == 0 and main(["ckpt", "list", str(snaps)]) == 0
+    out = capsys.readouterr().out
+    assert "node snapshot of step 3 (shard 0/1), complete, all checksums match" in out, out
+    assert "step 3  optimizer node snapshot" in out, out
     with pytest.raises(ValueError, match="is an optimizer node's snapshot .*, not a training checkpoint"):
         CheckpointReader(path)
     with pytest.raises(ValueError, match="no usable checkpoint .* optimizer node's snapshot"):
