@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if args.log_file:
         log(f"per-step lines go to {args.log_file}")
     elif args.quiet:
-        log("per-step lines are off (--quiet; --log-file FILE keeps them)")
+        log("per-step lines are off (--quiet): --log-file FILE keeps them (under luwu train --spawn-node: "
+            "--node-log FILE)")
     service = NodeService(config, log=log, step_log=step_log)
     ready = threading.Event()
     if args.ready_file:

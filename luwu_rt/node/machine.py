@@ -45,8 +45,8 @@ class NodeProtocol:
         workers are welcomed (the service starts the steps); ``between``: requests for the steps thread
         ([Note: between two steps] in steps.py); ``hub``: shard 0's norm hub, with several node shards."""
         self.config = config
-        self.make_runner, self.on_welcomed, self.between, self.log, self.hub = (make_runner, on_welcomed, between,
-                                                                                 log, hub)
+        self.make_runner, self.on_welcomed = make_runner, on_welcomed
+        self.between, self.log, self.hub = between, log, hub
         self.epoch = secrets.randbits(31) + 1
         self.rejects: Counter[str] = Counter()
         """Reason -> messages dropped: malformed, unexpected, stale or from an unknown peer."""
@@ -80,7 +80,7 @@ class NodeProtocol:
         """Messages only taken once the workers were welcomed, of this node's incarnation."""
         self._events: dict[type, Callable] = {UnitServed: self._served, NormsKnown: self._norms_known,
                                               StepDone: self._step_done, StateRead: self._state_read,
-                                              Refusal: lambda e: self.refuse(e.identity, e.text)}
+                                              Refusal: self._refusal}
 
     def resume(self, manifest: dict, runner: NodeRunner, *, step: int) -> None:
         """The run comes from a snapshot of ``step`` (its states already in ``runner``): no INIT is awaited."""
@@ -325,6 +325,9 @@ class NodeProtocol:
         for identity, rank in list(self.peers.items()):
             self.reply(identity, Message(T.STATS, job=self.job, rank=rank, epoch=self.epoch,
                                          dtype=DTYPE_CODES["json"], payload=event.stats))
+
+    def _refusal(self, event: Refusal) -> None:
+        self.refuse(event.identity, event.text)
 
     def _state_read(self, event: StateRead) -> None:
         msg = event.request
