@@ -15,6 +15,12 @@ stop after the same step), writes a checkpoint of that step when
 checkpoints are safe because a checkpoint only becomes visible by a rename
 (a partial directory left behind is removed by the next writer).
 
+A wait on another process - the optimizer node's answers - may not end by
+itself (a node that hangs, a handshake that never completes): such a wait
+asks ``pending()`` as it waits and, once a stop is requested and the wait has
+seen no progress for a moment, raises ``Interrupted``, a ``KeyboardInterrupt``
+that ``luwu`` reports in one line and exits 128 + the signal with.
+
 ``LUWU_TEST_SIGNAL_AT=<phase>[@<step>]`` makes the process send itself SIGINT
 when it reaches ``phase`` (``start``, ``forward``, ``backward``, ``optimizer``,
 ``checkpoint``) of step ``step`` (default 1; for ``checkpoint`` the step being
@@ -28,10 +34,30 @@ import os
 import signal
 import threading
 
-__all__ = ["PHASES", "StopRequest", "test_hook", "wrap_handlers"]
+__all__ = ["PHASES", "Interrupted", "StopRequest", "pending", "test_hook", "wrap_handlers"]
 
 PHASES = ("start", "forward", "backward", "optimizer", "checkpoint")
 _fired = threading.Event()
+_active: "StopRequest | None" = None
+"""The installed handlers of this process, if any."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A wait that a stop request ended ([Note: interrupting a run]); ``luwu`` exits ``exit_code``."""
+
+    def __init__(self, signum: int, text: str) -> None:
+        super().__init__(text)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def pending() -> int | None:
+    """The signal that asked this process to stop, while ``StopRequest`` handlers are installed; else None."""
+    active = _active
+    return active.signum if active is not None else None
 
 
 class StopRequest:
@@ -42,15 +68,20 @@ class StopRequest:
         self._old: dict[int, object] = {}
 
     def install(self) -> "StopRequest":
+        global _active
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+            _active = self
         return self
 
     def restore(self) -> None:
+        global _active
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        if _active is self:
+            _active = None
 
     def finish(self, *, ignore_signals: bool) -> None:
         """The run is over (saved, threads joined). ``ignore_signals``: this process is the ``luwu`` command
@@ -59,10 +90,13 @@ class StopRequest:
         exit with its status. Otherwise (a caller of the CLI in its own process) the old handlers return."""
         if not self._old:
             return
+        global _active
         if ignore_signals:
             for sig in self._old:
                 signal.signal(sig, signal.SIG_IGN)
             self._old.clear()
+            if _active is self:
+                _active = None
         else:
             self.restore()
 

@@ -32,6 +32,16 @@ refused with its path before anything is read. ``meta.run_id`` names the run
 that wrote a checkpoint, so retention deletes only that run's checkpoints and a
 new run does not mistake a directory of another run's checkpoints for its own.
 Format 1 manifests (no checksum, no run id) are still read.
+
+[Note: kinds of checkpoints]
+The optimizer node's snapshots ([Note: node snapshots] in node/snapshot.py) are
+written and read by this same writer and reader: one manifest format, one
+checksum scheme, one temporary-directory-and-rename rule. ``meta.kind`` tells
+them apart: absent in a training checkpoint (every checkpoint written before
+kinds existed is one), ``"node_snapshot"`` in a node snapshot. A reader is
+opened for one kind and refuses the other with a line naming both, so a node
+never resumes from a ``--ckpt-dir`` and ``luwu train --resume`` never from a
+``--snapshot-dir``.
 """
 
 from __future__ import annotations
@@ -49,8 +59,8 @@ import torch
 
 from luwu_rt.fs import fsync_dir
 
-__all__ = ["CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints", "new_run_id", "run_checkpoints",
-           "slice_name"]
+__all__ = ["NODE_SNAPSHOT", "TRAINING", "CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints",
+           "new_run_id", "run_checkpoints", "slice_name"]
 
 MANIFEST = "manifest.json"
 FORMAT = "luwu_rt.checkpoint/2"
@@ -58,6 +68,14 @@ _FORMATS = ("luwu_rt.checkpoint/1", FORMAT)
 _ENTRY_KEYS = {"file": str, "dtype": str, "shape": list, "crc32c": int}
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+TRAINING = "training"
+"""The kind of a ``luwu train`` checkpoint ([Note: kinds of checkpoints]): its manifest's ``meta`` has no ``kind``."""
+NODE_SNAPSHOT = "node_snapshot"
+"""The kind of an optimizer node's snapshot (``luwu node serve --snapshot-dir``)."""
+_KIND_NAMES = {TRAINING: "checkpoint", NODE_SNAPSHOT: "node snapshot"}
+"""Kind -> the noun its errors use."""
+_KIND_TEXTS = {TRAINING: "a training checkpoint (luwu train --ckpt-dir)",
+               NODE_SNAPSHOT: "an optimizer node's snapshot (luwu node serve --snapshot-dir)"}
 
 
 def _crc(tensor: torch.Tensor) -> int:
@@ -85,6 +103,22 @@ def _io_error(exc: OSError, doing: str, path: Path) -> OSError:
     return OSError(exc.errno, f"{doing} failed: {exc.strerror}", str(path))
 
 
+def _write_file(path: Path, data: memoryview | bytes) -> None:
+    """Writes ``data`` as the new file ``path`` and fsyncs it: every file of a checkpoint goes through here."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _kind_name(kind: str) -> str:
+    return _KIND_NAMES.get(kind, f"checkpoint of kind {kind!r}")
+
+
+def _kind_text(kind: str) -> str:
+    return _KIND_TEXTS.get(kind, f"a checkpoint of kind {kind!r}")
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -103,13 +137,17 @@ class CheckpointWriter:
     partial directory and leaves earlier checkpoints untouched.
     """
 
-    def __init__(self, root: str | os.PathLike, *, step: int, partial: str | os.PathLike | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, *, step: int, partial: str | os.PathLike | None = None,
+                 kind: str = TRAINING) -> None:
         """``partial``: join the partial directory another rank's writer created (that writer commits;
-        [Note: checkpoints of several ranks])."""
+        [Note: checkpoints of several ranks]). ``kind``: ``TRAINING`` or ``NODE_SNAPSHOT`` ([Note: kinds of
+        checkpoints])."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+        assert kind in _KIND_NAMES, kind
         self.root = Path(root)
         self.step = step
+        self.kind = kind
         self.final = self.root / f"step_{step:08d}"
         self._tensors: dict[str, dict[str, Any]] = {}
         if partial is not None:
@@ -127,7 +165,10 @@ class CheckpointWriter:
         for stale in self.root.glob(".old_step_*"):
             shutil.rmtree(stale, ignore_errors=True)
         self.partial = self.root / f".partial_step_{step:08d}_{uuid.uuid4().hex[:8]}"
-        self.partial.mkdir()
+        try:
+            self.partial.mkdir()
+        except OSError as exc:
+            raise _io_error(exc, f"creating a {_kind_name(kind)}", self.partial) from None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Writes ``tensor`` (a CPU tensor) as ``<name>.bin`` and fsyncs it."""
@@ -138,13 +179,9 @@ class CheckpointWriter:
             data = data.cpu()
         path = self.partial / f"{name}.bin"
         try:
-            with open(path, "wb") as f:
-                if data.numel():
-                    f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-                f.flush()
-                os.fsync(f.fileno())
+            _write_file(path, memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")
         except OSError as exc:
-            raise _io_error(exc, "writing a checkpoint file", path) from None
+            raise _io_error(exc, f"writing a {_kind_name(self.kind)} file", path) from None
         self._tensors[name] = {"file": path.name, "dtype": _dtype_name(data.dtype), "shape": list(data.shape),
                                "bytes": data.numel() * data.element_size(), "crc32c": _crc(data)}
 
@@ -162,26 +199,28 @@ class CheckpointWriter:
 
     def commit(self, meta: dict[str, Any]) -> Path:
         """Writes the manifest and makes the checkpoint visible; returns its directory."""
+        if self.kind != TRAINING:  # [Note: kinds of checkpoints]
+            meta = {**meta, "kind": self.kind}
         manifest = {"format": FORMAT, "step": self.step, "meta": meta, "tensors": self._tensors}
         manifest["checksum"] = _manifest_crc(manifest)  # [Note: the manifest protects itself]
+        path, doing = self.partial / MANIFEST, f"writing the {_kind_name(self.kind)} manifest"
         try:
-            with open(self.partial / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_file(path, json.dumps(manifest, indent=1).encode())
             fsync_dir(self.partial)
+            path, doing = self.final, f"committing a {_kind_name(self.kind)}"
+            if self.final.exists():
+                # Re-saving a step (after a resume replayed it): the old copy is
+                # complete and equivalent; replace it in two renames, never in place.
+                trash = self.root / f".old_{self.final.name}_{uuid.uuid4().hex[:8]}"
+                os.rename(self.final, trash)
+                os.rename(self.partial, self.final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(self.partial, self.final)
+            path = self.root
+            fsync_dir(self.root)
         except OSError as exc:
-            raise _io_error(exc, "writing the checkpoint manifest", self.partial / MANIFEST) from None
-        if self.final.exists():
-            # Re-saving a step (after a resume replayed it): the old copy is
-            # complete and equivalent; replace it in two renames, never in place.
-            trash = self.root / f".old_{self.final.name}_{uuid.uuid4().hex[:8]}"
-            os.rename(self.final, trash)
-            os.rename(self.partial, self.final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(self.partial, self.final)
-        fsync_dir(self.root)
+            raise _io_error(exc, doing, path) from None
         return self.final
 
     def abort(self) -> None:
@@ -198,7 +237,9 @@ class CheckpointWriter:
 class CheckpointReader:
     """A committed checkpoint: its manifest, and tensors verified against their checksums."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, *, kind: str | None = TRAINING) -> None:
+        """``kind``: the kind the caller reads, another is refused ([Note: kinds of checkpoints]); ``None``
+        reads any kind."""
         self.directory = Path(directory)
         path = self.directory / MANIFEST
         try:
@@ -221,6 +262,10 @@ class CheckpointReader:
         self.meta: dict[str, Any] = manifest["meta"]
         self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
         self.run_id: str | None = self.meta.get("run_id")
+        self.kind: str = self.meta.get("kind", TRAINING)
+        if kind is not None and self.kind != kind:
+            raise ValueError(f"{self.directory} is {_kind_text(self.kind)}, not {_kind_text(kind)}: keep the two "
+                             f"in separate directories")
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -286,6 +331,8 @@ def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
         raise bad(f"step {step!r}")
     if not isinstance(meta, dict) or not isinstance(tensors, dict):
         raise bad("no meta or tensors table")
+    if not isinstance(meta.get("kind", TRAINING), str):
+        raise bad(f"kind {meta['kind']!r}")
     for name, entry in tensors.items():
         if not isinstance(entry, dict) or any(not isinstance(entry.get(k), t) for k, t in _ENTRY_KEYS.items()):
             raise bad(f"entry {name!r}")

@@ -39,15 +39,16 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from luwu_rt.ckpt.format import CheckpointReader, list_checkpoints
+    from luwu_rt.ckpt.format import NODE_SNAPSHOT, CheckpointReader, list_checkpoints
 
     if args.action == "list":
         if not Path(args.path).is_dir():
             raise ValueError(f"{args.path} is not a directory; give a checkpoint root (--ckpt-dir of a run)")
         for path in list_checkpoints(args.path):
             try:
-                reader = CheckpointReader(path)
-                print(f"{path}  step {reader.step}  run {reader.run_id or '-'}")
+                reader = CheckpointReader(path, kind=None)
+                what = "optimizer node snapshot" if reader.kind == NODE_SNAPSHOT else f"run {reader.run_id or '-'}"
+                print(f"{path}  step {reader.step}  {what}")
             except (ValueError, OSError) as exc:  # list the others; say which one is broken
                 print(f"{path}  unreadable: {exc}")
         return 0
@@ -55,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "verify":
         from luwu_rt.ckpt.save import verify_checkpoint
 
+        if CheckpointReader(path, kind=None).kind == NODE_SNAPSHOT:  # the same format ([Note: node snapshots])
+            from luwu_rt.node.snapshot import verify_snapshot
+
+            snap = verify_snapshot(path)
+            print(f"{path}: optimizer node snapshot of step {snap.step} (shard {snap.shard[0]}/{snap.shard[1]}), "
+                  f"complete, all checksums match")
+            return 0
         # Complete, consistent with its model, and every checksum (raises naming the path on a mismatch).
         count = verify_checkpoint(CheckpointReader(path), read_data=True)
         print(f"{path}: {count} files, complete, all checksums match")

@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         # one clear line and a non-zero exit, not a traceback.
         print(f"luwu: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("luwu: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # a wait that a signal ended says which (luwu_rt.interrupt.Interrupted)
+        print(f"luwu: {exc}" if str(exc) else "luwu: interrupted", file=sys.stderr)
+        return getattr(exc, "exit_code", 130)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of them and give the workers all K addresses in shard order (--node A0,A1,...)")
     parser.add_argument("--ready-file", default=None, metavar="FILE",
                         help="write the bound address here once listening (for launchers)")
+    parser.add_argument("--log-file", default=None, metavar="FILE",
+                        help="append every line of the node here too, with its time; the per-step lines go only "
+                             "here, not to stderr")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no per-step lines on stderr (only into --log-file, if given); errors, refusals and the "
+                             "start and end lines still go to stderr")
+
+
+def _logs(log_file: str | None, *, quiet: bool):
+    """The node's ``log`` (stderr, and ``log_file``) and ``step_log`` (``log_file`` if given, else stderr
+    unless ``quiet``): per-step lines stay out of a terminal that shows the workers' progress bar."""
+    import sys
+    import time
+
+    stream = None
+    if log_file:
+        try:
+            stream = open(log_file, "a", buffering=1)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot open --log-file ({exc.strerror})", log_file) from None
+
+    def to_file(line: str) -> None:
+        if stream is not None:
+            stream.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+
+    def log(line: str) -> None:
+        print(f"luwu node: {line}", file=sys.stderr, flush=True)
+        to_file(line)
+
+    def step_log(line: str) -> None:
+        if stream is not None:
+            to_file(line)
+        elif not quiet:
+            print(f"luwu node: {line}", file=sys.stderr, flush=True)
+
+    return log, step_log
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +74,13 @@ def run(args: argparse.Namespace) -> int:
     config = NodeConfig(bind=args.bind, num_workers=args.num_workers, host_mem=args.host_mem,
                         nvme_dir=args.nvme_dir, timeout=args.timeout, auth_keys=args.auth_keys,
                         snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every, shard=args.shard)
-    service = NodeService(config)
+    log, step_log = _logs(args.log_file, quiet=args.quiet)
+    if args.log_file:
+        log(f"per-step lines go to {args.log_file}")
+    elif args.quiet:
+        log("per-step lines are off (--quiet): --log-file FILE keeps them (under luwu train --spawn-node: "
+            "--node-log FILE)")
+    service = NodeService(config, log=log, step_log=step_log)
     ready = threading.Event()
     if args.ready_file:
         def announce() -> None:

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-shards", dest="node_shards", type=int, default=1, metavar="K",
                         help="with --spawn-node: start K node shards (luwu node serve --shard i/K), each keeping 1/K "
                              "of every unit (default 1)")
+    parser.add_argument("--node-log", dest="node_log", default=None, metavar="FILE",
+                        help="with --spawn-node: the node's lines, with its per-step times, are appended to FILE "
+                             "(default: its per-step lines are not kept; its errors reach stderr either way)")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="run N ranks on this machine (data parallel, each on its share of the cores); "
                              "the same as torchrun --nproc-per-node N -m luwu_rt train ...")
@@ -193,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "node_shards", 1) != 1 and not getattr(args, "spawn_node", False):
         raise ValueError("--node-shards goes with --spawn-node; for nodes you started, list every shard's address "
                          "in --node, in shard order")
+    if getattr(args, "node_log", None) and not getattr(args, "spawn_node", False):
+        raise ValueError("--node-log goes with --spawn-node; a node you started takes luwu node serve --log-file FILE")
     if getattr(args, "spawn_node", False):  # a local optimizer node around the whole run (node/spawn.py)
         if world_size > 1 or args.node:
             raise ValueError("--spawn-node starts the node itself: leave out --node, and use --nproc, not torchrun")
@@ -205,9 +210,9 @@ def run(args: argparse.Namespace) -> int:
         # The run's --timeout (flag or --config), else TrainConfig's default: the node waits as long as the ranks.
         timeout_s = _settings(args).get("timeout_s", TrainConfig().timeout_s)
         with spawned_node(num_workers=args.nproc or 1, timeout_s=timeout_s,
-                          num_shards=args.node_shards) as address:
+                          num_shards=args.node_shards, log_file=args.node_log) as address:
             args.spawn_node, args.node, args.strategy = False, address, args.strategy or "node"
-            args.node_shards = 1
+            args.node_shards, args.node_log = 1, None
             return run(args)
     with _scratch_nvme_dir(args):
         if not (args.nproc is not None and args.nproc > 1 and world_size == 1):

@@ -11,7 +11,17 @@ every chunk, so the plan rewrites the shard only after the node has stored it.
 A pull's handle waits until every chunk of the unit was written into the
 store's parameter shards (by the IO thread, while the pull queue waits).
 While the node says nothing for ``timeout_s`` - it answers each heartbeat - a
-waiting transfer fails naming the node's address.
+waiting transfer fails naming the node's address; the join waits at most
+``timeout_s`` for the WELCOME after this worker's last HELLO or INIT. A
+refused handshake (no CURVE keys, a key not allowed) fails every wait at once
+([Note: refused handshakes] in auth.py), and a stop request (SIGINT, SIGTERM)
+ends a wait that sees no progress for ``STOP_GRACE_S``, the join at once ([Note: interrupting a run] in
+interrupt.py).
+The IO thread never blocks on a send: a DEALER with no live connection would
+hold it (and so ``close``) forever.
+
+Ranges go out cut by ``cut`` and come back put together by one ``Assembly``
+each ([Note: wire chunks] in chunks.py).
 
 [Note: byte credits]
 A push (or INIT) chunk is sent only while the chunks this client sent and the
@@ -23,15 +33,20 @@ gradients. A chunk larger than the credit is sent alone.
 
 from __future__ import annotations
 
+import collections
 import json
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
+from luwu_rt import interrupt
+
+from .auth import handshake_problem
+from .chunks import Assembly, cut
 from .manifest import job_id, manifest_bytes
 from .protocol import CREDIT_CHUNKS, DTYPE_CODES, MAX_PAYLOAD_BYTES, F, Message, ProtocolError, T, decode, encode
 
@@ -41,10 +56,18 @@ PARAMS = -1
 """The kind of an expected transfer that is a unit's parameters (else the index of an optimizer state)."""
 HEARTBEAT_S = 1.0
 """How often the client says it is alive, and asks the node to say so."""
+STOP_GRACE_S = 10.0
+"""After a stop request, how long a wait within a step may see no progress from the node before it gives
+up (the step, and the checkpoint after it, are worth a few seconds; a hung node is not). A join, with no
+step under way, gives up at once."""
+_VAGUE_FAILURES = 3
+"""Handshakes that fail without a reason, in a row, before the client believes it (a connection cut
+mid-handshake, once, is not a refusal)."""
 
 
-class NodeError(RuntimeError):
-    """The optimizer node refused, failed or went silent."""
+class NodeError(ConnectionError):
+    """The optimizer node refused, failed or went silent: one line naming the node and what to do (an
+    ``OSError``, so that ``luwu`` reports it as one)."""
 
 
 class NodeLost(NodeError):
@@ -53,8 +76,7 @@ class NodeLost(NodeError):
 
 
 class _Transfer:
-    def __init__(self, remaining: int) -> None:
-        self.remaining = remaining
+    def __init__(self) -> None:
         self.done = threading.Event()
 
 
@@ -74,6 +96,7 @@ class NodeClient:
         if not 4096 <= chunk_bytes <= MAX_PAYLOAD_BYTES:
             raise ValueError(f"node message chunk {chunk_bytes} bytes: choose a --chunk-size from 4KiB to 16MiB")
         self.address, self.rank, self.timeout_s, self.chunk_bytes = address, rank, timeout_s, chunk_bytes
+        self.node_key = node_key
         if node_key is not None:
             from .auth import client_keys
 
@@ -90,9 +113,16 @@ class NodeClient:
         self._stats_waits: dict[int, threading.Event] = {}
         self.rejects = 0
         self.last_heard = time.monotonic()
+        self.last_progress = time.monotonic()
+        """When the node last answered anything but a heartbeat (a stop request ends a wait without it)."""
+        self.refused: str | None = None
+        """Set when the handshake with the node failed for good: every wait raises it ([Note: refused
+        handshakes] in auth.py)."""
+        self._vague = 0
+        """Handshakes that failed without a reason since the last that succeeded."""
         self._welcomed = threading.Event()
         self._acks: dict[tuple[int, int], tuple[_Transfer, set[int]]] = {}
-        self._pulls: dict[tuple[int, int, int], tuple[_Transfer, list[tuple[int, torch.Tensor]]]] = {}
+        self._pulls: dict[tuple[int, int, int], tuple[_Transfer, Assembly]] = {}
         self._lock = threading.Lock()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._credit = CREDIT_CHUNKS * chunk_bytes
@@ -120,22 +150,36 @@ class NodeClient:
             with self._lock:
                 self._wake.send(b"")
 
-    def _wait(self, event: threading.Event, what: str) -> None:
+    def _wait(self, event: threading.Event, what: str, *, deadline: float | None = None, late: str = "",
+              grace_s: float = STOP_GRACE_S) -> None:
+        """Waits for ``event``; ``deadline``: a monotonic time by which it must be set (``late`` says why
+        it was not); ``grace_s``: how long it may see no progress after a stop request."""
+        started = time.monotonic()
         while not event.wait(0.2):
-            self._check(what)
+            self._check(what, started=started, grace_s=grace_s)
+            if deadline is not None and time.monotonic() > deadline:
+                raise NodeError(f"{what}: {late}; raise --timeout to wait longer")
         if self.error is not None:
             raise NodeError(f"{what}: {self.error}")
 
-    def _check(self, what: str) -> None:
-        """Raises if the node restarted, failed or went silent; for every wait on it."""
+    def _check(self, what: str, *, started: float, grace_s: float = STOP_GRACE_S) -> None:
+        """Raises if the node restarted, failed, refused the handshake or went silent, or (``Interrupted``)
+        a stop was requested and the node shows no progress; for every wait on it."""
         if self.lost is not None:
             raise NodeLost(f"{what}: {self.lost}")
         if self.error is not None:
             raise NodeError(f"{what}: {self.error}")
-        silent = time.monotonic() - self.last_heard
+        if self.refused is not None:  # whatever this worker was doing: the line fits a rank's failure report
+            raise NodeError(self.refused)
+        now = time.monotonic()
+        silent = now - self.last_heard
         if silent > self.timeout_s:
             raise NodeError(f"{what}: the optimizer node at {self.address} said nothing for {silent:.0f}s (it "
                             f"died or hung; is `luwu node serve` running there?); raise --timeout to wait longer")
+        signum = interrupt.pending()
+        if signum is not None and now - max(started, self.last_progress) >= min(grace_s, self.timeout_s):
+            raise interrupt.Interrupted(signum, f"{signal.Signals(signum).name}: stopped waiting for the optimizer "
+                                                f"node at {self.address} ({what})")
 
     def _send_credited(self, msg: Message, what: str, *, flush: bool) -> None:
         """Sends a push or INIT once the credit allows it ([Note: byte credits])."""
@@ -144,8 +188,9 @@ class NodeClient:
             if self._inflight and self._inflight + n > self._credit:
                 with self._lock:  # what is queued must go out for its ACKs to come back
                     self._wake.send(b"")
+                started = time.monotonic()
                 while self._inflight and self._inflight + n > self._credit:
-                    self._check(what)
+                    self._check(what, started=started)
                     self._credit_cv.wait(0.2)
             self._inflight += n
             self._unacked[(msg.step, msg.unit, msg.chunk, msg.offset)] = n
@@ -181,39 +226,27 @@ class NodeClient:
                            payload=manifest_bytes(manifest)))
         if self.rank == 0 and initial is not None:
             for unit, state, values in initial:
-                data = memoryview(values.contiguous().view(torch.uint8).numpy())
-                for offset in range(0, len(data), self.chunk_bytes):
+                for offset, payload in cut([(0, values.float())], chunk_bytes=self.chunk_bytes):
                     self._send_credited(Message(T.INIT, job=self.job, rank=0, unit=unit, chunk=state, offset=offset,
-                                                dtype=DTYPE_CODES["float32"],
-                                                payload=bytes(data[offset : offset + self.chunk_bytes])),
+                                                dtype=DTYPE_CODES["float32"], payload=payload),
                                         f"worker 0 sending the initial state of unit {unit}", flush=False)
             self._send(Message(T.INIT, flags=F.LAST, job=self.job, rank=0))
-        self._wait(self._welcomed, f"worker {self.rank} joining the optimizer node")
+        count = manifest.get("num_workers", 1)
+        late = (f"no WELCOME from the optimizer node at {self.address} within {self.timeout_s:g}s; it welcomes the "
+                f"workers once all {count} said HELLO and worker 0 sent the initial state: are all {count} started, "
+                f"with the same --node?")
+        self._wait(self._welcomed, f"worker {self.rank} joining the optimizer node",
+                   deadline=time.monotonic() + self.timeout_s, late=late, grace_s=0.0)
         return self.welcome
 
     def push(self, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]):
         """Sends ``unit``'s fp32 gradient for ``step``: ``pieces`` are ``(byte offset in the buffer the node
         keeps of the unit, tensor)``, in order and together the whole buffer. A message chunk within one piece
         is sent as a view of it; one that spans two (a node shard's slice starts anywhere: [Note: node
-        shards] in shards.py) as a copy of its parts. The handle waits for the node's ACKs."""
-        chunks: list[tuple[int, memoryview | bytes]] = []
-        parts: list[memoryview] = []
-        start = 0
-        for offset, tensor in pieces:
-            data = memoryview(tensor.view(torch.uint8).numpy())
-            assert offset == start, "pieces cover the buffer in order"
-            while len(data):
-                have = sum(len(p) for p in parts)
-                take = min(len(data), self.chunk_bytes - have)
-                parts.append(data[:take])
-                data, start = data[take:], start + take
-                if have + take == self.chunk_bytes:
-                    chunks.append((start - self.chunk_bytes, parts[0] if len(parts) == 1 else b"".join(parts)))
-                    parts = []
-        if parts:
-            n = sum(len(p) for p in parts)
-            chunks.append((start - n, parts[0] if len(parts) == 1 else b"".join(parts)))
-        transfer = _Transfer(len(chunks))
+        shards] in shards.py) as a copy of its parts ([Note: wire chunks] in chunks.py). The handle waits for
+        the node's ACKs."""
+        chunks = cut(pieces, chunk_bytes=self.chunk_bytes)
+        transfer = _Transfer()
         with self._lock:
             self._acks[(step, unit)] = (transfer, {off // self.chunk_bytes for off, _ in chunks})
         what = f"worker {self.rank}: pushing unit {unit} of step {step}"
@@ -232,20 +265,23 @@ class NodeClient:
 
     def read_state(self, step: int, unit: int, index: int, pieces: list[tuple[int, torch.Tensor]]):
         """Asks for ``unit``'s optimizer state ``INIT_STATES[index]`` after ``step`` (the node's last), for a
-        checkpoint ([Note: between two steps] in service.py); written into ``pieces`` like a pull's."""
+        checkpoint ([Note: between two steps] in steps.py); written into ``pieces`` like a pull's."""
         transfer = self._expect(index, step, unit, pieces)
         self._send(Message(T.GET_STATE, job=self.job, rank=self.rank, step=step, unit=unit, chunk=index,
                            epoch=self.epoch))
         return _Wait(self, transfer, f"worker {self.rank}: reading unit {unit}'s optimizer state after step {step}")
 
     def begin(self, step: int) -> None:
-        """Tells the node this worker starts ``step`` ([Note: between two steps] in service.py)."""
+        """Tells the node this worker starts ``step`` ([Note: between two steps] in steps.py)."""
         self._send(Message(T.BEGIN, job=self.job, rank=self.rank, step=step, epoch=self.epoch))
 
     def _expect(self, kind: int, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]) -> _Transfer:
-        transfer = _Transfer(sum(t.numel() * t.element_size() for _, t in pieces))
-        with self._lock:
-            self._pulls[(kind, step, unit)] = (transfer, [(o, t.view(torch.uint8)) for o, t in pieces])
+        transfer, assembly = _Transfer(), Assembly(pieces, chunk_bytes=self.chunk_bytes)
+        if assembly.complete:  # nothing to receive
+            transfer.done.set()
+        else:
+            with self._lock:
+                self._pulls[(kind, step, unit)] = (transfer, assembly)
         return transfer
 
     def close(self, *, bye: bool = True) -> None:
@@ -271,10 +307,15 @@ class NodeClient:
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
         if self._curve is not None:
             dealer.curve_publickey, dealer.curve_secretkey, dealer.curve_serverkey = self._curve
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         dealer.connect(self.address)
         poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(self._wake_in, zmq.POLLIN)
+        for sock in (dealer, self._wake_in, monitor):
+            poller.register(sock, zmq.POLLIN)
+        pending: collections.deque = collections.deque()
+        """Frames that could not go out yet (no live connection): sent in order once one is up."""
         beat = time.monotonic()
         try:
             while True:
@@ -285,17 +326,44 @@ class NodeClient:
                 while self._wake_in.poll(0):
                     self._wake_in.recv()
                 while not self._out.empty():
-                    dealer.send_multipart(self._out.get(), copy=False)
+                    pending.append(self._out.get())
+                while pending and _sent(dealer, pending[0]):
+                    pending.popleft()
                 while dealer.poll(0):
                     self._receive(dealer.recv_multipart(copy=False))
+                while monitor.poll(0):
+                    self._handshake(monitor)
                 if stopping:
                     return
-                if time.monotonic() - beat > HEARTBEAT_S and self.job:
+                if time.monotonic() - beat > HEARTBEAT_S and self.job and not pending:
                     beat = time.monotonic()
-                    dealer.send_multipart(encode(Message(T.HEARTBEAT, job=self.job, rank=self.rank, epoch=self.epoch)))
+                    _sent(dealer, encode(Message(T.HEARTBEAT, job=self.job, rank=self.rank, epoch=self.epoch)))
         finally:
+            dealer.disable_monitor()
+            monitor.close(0)
             dealer.close()
             self._wake_in.close(0)
+
+    def _handshake(self, monitor) -> None:
+        """A handshake event of the DEALER ([Note: refused handshakes] in auth.py)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._vague = 0
+            return
+        problem = handshake_problem(event["event"], event["value"], address=self.address, key=self.node_key,
+                                    public=self._curve[0] if self._curve else None)
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._vague += 1
+            if self._vague < _VAGUE_FAILURES:
+                return
+            problem = problem or (f"the optimizer node at {self.address} ended the handshake {self._vague} times: it "
+                                  f"may require CURVE keys (--node-key DIR/NAME.key_secret), or be no luwu node "
+                                  f"serve of this version")
+        if problem and self.refused is None:
+            self.refused = problem
 
     def _receive(self, frames: list) -> None:
         try:
@@ -304,6 +372,8 @@ class NodeClient:
             self.rejects += 1
             return
         self.last_heard = time.monotonic()
+        if msg.type != T.HEARTBEAT:
+            self.last_progress = self.last_heard
         if self.epoch and msg.epoch and msg.epoch != self.epoch and self.lost is None:
             self.lost = f"the optimizer node at {self.address} restarted (a new incarnation answered)"
             return
@@ -340,15 +410,24 @@ class NodeClient:
         if entry is None:
             self.rejects += 1  # an answer to a pull this worker no longer waits for
             return
-        transfer, pieces = entry
-        data = np.frombuffer(msg.payload, dtype=np.uint8)
-        end = msg.offset + data.size
-        for start, piece in pieces:
-            lo, hi = max(start, msg.offset), min(start + piece.numel(), end)
-            if lo < hi:
-                piece.numpy()[lo - start : hi - start] = data[lo - msg.offset : hi - msg.offset]
-                transfer.remaining -= hi - lo
-        if transfer.remaining <= 0:
+        transfer, assembly = entry
+        try:
+            assembly.put(msg.offset, msg.payload)  # [Note: wire chunks] in chunks.py
+        except ProtocolError:
+            self.rejects += 1
+            return
+        if assembly.complete:
             with self._lock:
                 self._pulls.pop(key, None)
             transfer.done.set()
+
+
+def _sent(dealer, frames: list) -> bool:
+    """Sends ``frames`` unless that would block (no live connection to the node): False then."""
+    import zmq
+
+    try:
+        dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    return True

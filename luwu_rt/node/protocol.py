@@ -42,7 +42,7 @@ Per message type (W: worker -> node, N: node -> worker):
                 A shard sends its float64 partial; shard 0 answers with all k partials,
                 in shard order, once it has them.
   BEGIN      W  the worker starts ``step``: the node, idle between steps, runs its plan of
-                that step once one worker began it ([Note: between two steps] in service.py).
+                that step once one worker began it ([Note: between two steps] in steps.py).
   GET_STATE  W  asks for ``unit``'s optimizer state ``chunk`` (index in ``INIT_STATES``)
                 after ``step``, the node's last step: for a checkpoint.
   STATE      N  those fp32 bytes at ``offset``, ``chunk`` = the state's index; flag

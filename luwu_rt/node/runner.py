@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from luwu_rt.config import from_mapping
@@ -39,6 +38,7 @@ from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan import Budgets, Placement, plan_node_auto, validate
 from luwu_rt.store import TieredStore
 
+from .chunks import Assembly, chunk_index
 from .manifest import model_spec
 from .protocol import CREDIT_CHUNKS, INIT_STATES, ProtocolError
 from .shards import slice_of
@@ -56,47 +56,38 @@ class Pushes:
     def __init__(self, numels: list[int], *, num_workers: int, chunk_bytes: int, applied: int = 0) -> None:
         self.numels, self.num_workers, self.chunk_bytes = numels, num_workers, chunk_bytes
         self.applied = [applied] * len(numels)
-        self.parts: list[dict[int, torch.Tensor]] = [{} for _ in numels]
-        self.got: list[dict[int, set[int]]] = [{} for _ in numels]
+        self.parts: list[dict[int, tuple[torch.Tensor, Assembly]]] = [{} for _ in numels]
+        """Per unit: rank -> its pushed fp32 gradient of the next step, and the chunks that arrived
+        ([Note: wire chunks] in chunks.py)."""
         self.cond = threading.Condition()
         self.heard: dict[int, float] = {}
         """Rank -> when the node last heard from it (for timeout messages)."""
-
-    def _chunks(self, unit: int) -> int:
-        return -(-self.numels[unit] * 4 // self.chunk_bytes)
 
     def offer(self, *, rank: int, step: int, unit: int, offset: int, payload: memoryview) -> bool:
         """Stores one pushed chunk; True if new, False for a duplicate or a stale step (not applied).
         Raises ``ProtocolError`` for a unit, rank, step or byte range the node does not expect."""
         if not 0 <= unit < len(self.numels) or not 0 <= rank < self.num_workers:
             raise ProtocolError("range", f"unit {unit} / rank {rank} out of range")
-        total = self.numels[unit] * 4
-        chunk, n = divmod(offset, self.chunk_bytes)
-        if n or offset >= total or len(payload) != min(self.chunk_bytes, total - offset):
-            raise ProtocolError("range", f"push of unit {unit} at byte {offset} with {len(payload)} bytes does not "
-                                         f"cover one whole chunk of its {total} bytes")
+        chunk_index(offset, len(payload), total=self.numels[unit] * 4, chunk_bytes=self.chunk_bytes)
         with self.cond:
             if step <= self.applied[unit]:
                 return False
             if step != self.applied[unit] + 1:
                 raise ProtocolError("future", f"push of unit {unit} for step {step}; the node waits for step "
                                               f"{self.applied[unit] + 1}")
-            got = self.got[unit].setdefault(rank, set())
-            if chunk in got:
+            part = self.parts[unit].get(rank)
+            if part is None:
+                buf = torch.empty(self.numels[unit], dtype=torch.float32)
+                part = self.parts[unit][rank] = (buf, Assembly([(0, buf)], chunk_bytes=self.chunk_bytes))
+            if not part[1].put(offset, payload):
                 return False
-            buf = self.parts[unit].get(rank)
-            if buf is None:
-                buf = self.parts[unit][rank] = torch.empty(self.numels[unit], dtype=torch.float32)
-            buf.view(torch.uint8).numpy()[offset : offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-            got.add(chunk)
             self.cond.notify_all()
             return True
 
     def _complete(self, unit: int) -> bool:
-        want = self._chunks(unit)
-        got = self.got[unit]
+        parts = self.parts[unit]
         # A slice of no elements (a unit smaller than the node shards) is never pushed: complete as it is.
-        return want == 0 or len(got) == self.num_workers and all(len(c) == want for c in got.values())
+        return self.numels[unit] == 0 or len(parts) == self.num_workers and all(a.complete for _, a in parts.values())
 
     def take(self, *, step: int, unit: int, out: list[torch.Tensor], timeout_s: float) -> None:
         """Waits until every worker pushed all of ``unit`` for ``step``, then writes their sum (in rank
@@ -109,21 +100,21 @@ class Pushes:
                 if left <= 0:
                     raise TimeoutError(self._missing(step, unit, timeout_s))
                 self.cond.wait(min(left, 1.0))
-            parts, self.parts[unit], self.got[unit] = self.parts[unit], {}, {}
+            parts, self.parts[unit] = self.parts[unit], {}
             self.applied[unit] = step
         if not parts:
             return
-        total = parts[0]
+        total = parts[0][0]
         for r in range(1, self.num_workers):
-            total += parts[r]
+            total += parts[r][0]
         start = 0
         for piece in out:
             piece.copy_(total[start : start + piece.numel()])
             start += piece.numel()
 
     def _missing(self, step: int, unit: int, timeout_s: float) -> str:
-        want = self._chunks(unit)
-        missing = [r for r in range(self.num_workers) if len(self.got[unit].get(r, ())) != want]
+        parts = self.parts[unit]
+        missing = [r for r in range(self.num_workers) if r not in parts or not parts[r][1].complete]
         now = time.monotonic()
         ages = ", ".join(f"worker {r} last heard {now - self.heard[r]:.1f}s ago" if r in self.heard
                          else f"worker {r} never heard" for r in missing)

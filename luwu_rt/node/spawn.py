@@ -15,17 +15,19 @@ __all__ = ["spawned_node"]
 
 @contextmanager
 def spawned_node(*, num_workers: int, host_mem: str = "1GiB", timeout_s: float = 300.0, num_shards: int = 1,
-                 start_timeout_s: float = 120.0) -> Iterator[str]:
+                 start_timeout_s: float = 120.0, log_file: str | None = None) -> Iterator[str]:
     """Starts ``num_shards`` ``luwu node serve`` processes (node shards, [Note: node shards] in shards.py) on
     free loopback ports and yields their addresses as ``--node`` takes them (comma-separated, in shard
     order); on leaving, the nodes get ``timeout_s`` to finish (each exits by itself once every worker said
-    BYE), then are terminated."""
+    BYE), then are terminated. The nodes share the workers' terminal: their per-step lines would break the
+    progress bar there, so they go to ``log_file`` (every shard's, each line naming its shard), or nowhere."""
     with tempfile.TemporaryDirectory(prefix="luwu-node-") as tmp:
         ready = [os.path.join(tmp, f"address-{i}") for i in range(num_shards)]
+        logging = ["--log-file", log_file] if log_file else []
         procs = [subprocess.Popen([sys.executable, "-m", "luwu_rt", "node", "serve", "--bind", "tcp://127.0.0.1:*",
                                    "--num-workers", str(num_workers), "--host-mem", host_mem,
                                    "--timeout", str(timeout_s), "--shard", f"{i}/{num_shards}",
-                                   "--ready-file", ready[i]]) for i in range(num_shards)]
+                                   "--ready-file", ready[i], "--quiet", *logging]) for i in range(num_shards)]
         try:
             deadline = time.monotonic() + start_timeout_s
             while not all(os.path.exists(r) for r in ready):

@@ -1,4 +1,4 @@
-"""Checkpoints of strategy node ([Note: between two steps] in luwu_rt/node/service.py): two workers save at
+"""Checkpoints of strategy node ([Note: between two steps] in luwu_rt/node/steps.py): two workers save at
 step 5 and after the node's last step while the optimizer state lives on the node; the checkpoint holds it
 (read from the node), resumes against a fresh node with the uninterrupted run's losses bit for bit, and
 resumes as a single-process ``local`` run on the global batch within 1e-5 relative."""

@@ -151,7 +151,7 @@ def test_a_worker_naming_the_wrong_number_of_shards_is_refused() -> None:
     m = manifest()
     service.handle(b"w0", encode(Message(T.HELLO, rank=0, dtype=DTYPE_CODES["json"],
                                          payload=json.dumps(m).encode())))
-    (identity, frames), = service._outbox
+    (identity, frames), = service.protocol.outbox
     reply = decode(frames)
     assert reply.type == T.ERROR and "names 1 node address(es)" in bytes(reply.payload).decode()
     assert service.manifest is None and service.rejects["hello"] == 1

@@ -20,7 +20,7 @@ import node_jobs
 from ranks import free_port, run_ranks
 
 from luwu_rt.exec.chaos import CHAOS_ENV
-from luwu_rt.node.service import HALT_ENV
+from luwu_rt.node.steps import HALT_ENV
 from luwu_rt.node.snapshot import latest_snapshot, write_snapshot
 
 WORKERS = 3
@@ -93,14 +93,151 @@ def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
     assert all(results[0][r]["plain"]["loss"] == plain["loss"] for r in range(WORKERS)), "one global loss"
 
 
-def test_a_torn_snapshot_is_skipped_for_the_previous_one(tmp_path):
+def _states(value: float) -> list:
+    """A node snapshot's states of ``test_protocol.manifest()``'s units, each filled with ``value``."""
+    from test_protocol import SIZES
+
     import torch
 
-    states = [((0, "master"), torch.arange(4.0))]
-    write_snapshot(tmp_path, manifest={"m": 1}, step=2, adam_step=2, states=states, keep=2)
-    newer = write_snapshot(tmp_path, manifest={"m": 1}, step=4, adam_step=4, states=states, keep=2)
-    (newer / "u0.master").write_bytes(b"\0" * 8)  # a torn file: its size and SHA-256 no longer match
-    (tmp_path / ".tmp-step_00000006").mkdir()  # a write a kill interrupted
+    from luwu_rt.node.protocol import INIT_STATES
+
+    return [((u, s), torch.full((n,), value + u)) for u, n in enumerate(SIZES) for s in INIT_STATES]
+
+
+def test_a_damaged_snapshot_is_skipped_for_the_previous_one(tmp_path):
+    """Two snapshots are kept; the newest damaged, a node started there resumes from the one before."""
+    import torch
+    from test_protocol import manifest
+
+    from luwu_rt.node.service import NodeConfig, NodeService
+
+    m = manifest()
+    for step in (2, 4, 6):
+        newest = write_snapshot(tmp_path, manifest=m, step=step, adam_step=step, states=_states(step), shard=[0, 1])
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000006"], "keep two"
+    data = bytearray((newest / "u0.master.bin").read_bytes())
+    data[5] ^= 1  # a bit flipped on disk: the file no longer matches its CRC-32C
+    (newest / "u0.master.bin").write_bytes(bytes(data))
+    (tmp_path / ".partial_step_00000008_deadbeef").mkdir()  # a write a kill interrupted
     seen: list[str] = []
     snap = latest_snapshot(tmp_path, log=seen.append)
-    assert snap.step == 2 and torch.equal(snap.state(0, "master"), torch.arange(4.0)) and "damaged" in seen[0]
+    assert snap.step == 4 and torch.equal(snap.state(1, "exp_avg"), torch.full((5000,), 5.0))
+    assert "step_00000006" in seen[0] and "checksum" in seen[0], seen
+    lines: list[str] = []
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB", snapshot_dir=str(tmp_path)), run_steps=False,
+                          log=lines.append, chaos=None)
+    assert service.resumed_from == 4 and service.runner.step == 4
+    assert any("step_00000006" in line and "skipped" in line for line in lines), lines
+
+
+def test_snapshots_and_training_checkpoints_are_told_apart(tmp_path, capsys):
+    """One writer and reader for both, and ``meta.kind`` between them: ``luwu ckpt verify`` checks a snapshot
+    too, a node refuses a directory of training checkpoints, ``luwu train --resume`` refuses one of node
+    snapshots, and an old-format snapshot (``meta.json``) is refused naming its path and what to do."""
+    import pytest
+    from test_protocol import manifest
+
+    from luwu_rt.ckpt.format import NODE_SNAPSHOT, CheckpointReader, CheckpointWriter
+    from luwu_rt.ckpt.resume import choose_checkpoint
+    from luwu_rt.cli.main import main
+    from luwu_rt.node.service import NodeConfig, NodeService
+
+    snaps = tmp_path / "snaps"
+    path = write_snapshot(snaps, manifest=manifest(), step=3, adam_step=3, states=_states(0), shard=[0, 1])
+    assert CheckpointReader(path, kind=NODE_SNAPSHOT).meta["adam_step"] == 3
+    assert main(["ckpt", "verify", str(snaps)]) == 0 and main(["ckpt", "list", str(snaps)]) == 0
+    out = capsys.readouterr().out
+    assert "node snapshot of step 3 (shard 0/1), complete, all checksums match" in out, out
+    assert "step 3  optimizer node snapshot" in out, out
+    with pytest.raises(ValueError, match="is an optimizer node's snapshot .*, not a training checkpoint"):
+        CheckpointReader(path)
+    with pytest.raises(ValueError, match="no usable checkpoint .* optimizer node's snapshot"):
+        choose_checkpoint(str(snaps), resume=True, if_exists=False, say=print)
+    ckpt = tmp_path / "ckpt"
+    with CheckpointWriter(ckpt, step=1) as w:
+        w.commit({"run_id": "x"})
+    with pytest.raises(ValueError, match="is a training checkpoint .*, not an optimizer node's snapshot"):
+        NodeService(NodeConfig(num_workers=2, snapshot_dir=str(ckpt)), run_steps=False, log=print)
+    old = tmp_path / "old" / "step_00000004"
+    old.mkdir(parents=True)
+    (old / "meta.json").write_text('{"snapshot_version": 1}')
+    with pytest.raises(ValueError, match=r"holds node snapshots of an older luwu_rt .*step_00000004/meta.json.*move"):
+        NodeService(NodeConfig(num_workers=2, snapshot_dir=str(tmp_path / "old")), run_steps=False, log=print)
+
+
+def test_a_failed_snapshot_write_is_logged_and_training_goes_on(tmp_path, monkeypatch):
+    """The disk fills while the node writes step 2's snapshot (ENOSPC after some bytes of a file): the
+    node logs the path, removes the partial directory, and steps 3 and its snapshot follow; the
+    snapshots of steps 1 and 3 verify."""
+    import errno
+
+    import torch
+    from test_protocol import CHUNK, SIZES, _joined
+
+    from luwu_rt.ckpt import format as ckpt_format
+    from luwu_rt.node.manifest import job_id
+    from luwu_rt.node.protocol import Message, T, encode
+    from luwu_rt.node.service import NodeConfig, NodeService
+
+    write = ckpt_format._write_file
+
+    def full_disk(path, data):
+        if ".partial_step_00000002" in str(path) and path.name != "manifest.json":
+            with open(path, "wb") as f:
+                f.write(bytes(memoryview(data)[:100]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(ckpt_format, "_write_file", full_disk)
+    lines: list[str] = []
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB", timeout=30.0, snapshot_dir=str(tmp_path),
+                                     snapshot_every=1), log=lines.append, chaos=None)
+    job = job_id(_joined(service))
+    for step in (1, 2, 3):
+        deadline = time.monotonic() + 30
+        while min(service.runner.pushes.applied) < step - 1:  # the node took the step before
+            assert time.monotonic() < deadline and service.error is None, (service.error, lines)
+            time.sleep(0.01)
+        for rank in (0, 1):
+            for u, n in enumerate(SIZES):
+                data = torch.full((n,), 0.01 * step).numpy().tobytes()
+                for off in range(0, len(data), CHUNK):
+                    service.handle(b"w%d" % rank, encode(Message(T.PUSH_GRAD, job=job, rank=rank, step=step, unit=u,
+                                                                 chunk=off // CHUNK, offset=off, dtype=1,
+                                                                 epoch=service.epoch, payload=data[off:off + CHUNK])))
+    assert service.done_steps.wait(60)
+    assert service.error is None, service.error
+    failed = [line for line in lines if "snapshot of step 2 failed" in line]
+    assert len(failed) == 1 and "No space left on device" in failed[0] and ".partial_step_00000002" in failed[0]
+    assert "training goes on" in failed[0] and "step_00000001" in failed[0], failed
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".luwu")) == \
+        ["step_00000001", "step_00000003"], "the partial directory of step 2 is gone"
+    assert latest_snapshot(tmp_path).step == 3
+
+
+def test_a_rejoin_to_a_node_without_the_snapshot_is_told_why(tmp_path):
+    """A worker that rejoins its run at step 3 hears what really happened to the node's snapshots: none
+    was written into its --snapshot-dir, or every one there is damaged, or it has no --snapshot-dir."""
+    from test_protocol import manifest
+
+    from luwu_rt.node.manifest import manifest_bytes
+    from luwu_rt.node.protocol import DTYPE_CODES, Message, T, decode, encode
+    from luwu_rt.node.service import NodeConfig, NodeService
+
+    def refusal(snapshot_dir) -> str:
+        service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB", snapshot_dir=snapshot_dir),
+                              run_steps=False, log=lambda line: None)
+        service.handle(b"w0", encode(Message(T.HELLO, rank=0, step=3, dtype=DTYPE_CODES["json"],
+                                             payload=manifest_bytes(manifest()))))
+        reply = decode(service.protocol.outbox[-1][1])
+        assert reply.type == T.ERROR and service.manifest is None
+        return bytes(reply.payload).decode()
+
+    assert "started without --snapshot-dir" in refusal(None)
+    empty = refusal(str(tmp_path / "empty"))
+    assert f"--snapshot-dir {tmp_path / 'empty'} held no snapshot" in empty
+    assert "start the node with the --snapshot-dir" not in empty and "luwu train --resume" in empty
+    damaged = tmp_path / "damaged"
+    path = write_snapshot(damaged, manifest=manifest(), step=2, adam_step=2, states=_states(0), shard=[0, 1])
+    (path / "u1.exp_avg.bin").write_bytes(b"\0" * 8)
+    assert "every snapshot in --snapshot-dir" in refusal(str(damaged)) and "step_00000002" in refusal(str(damaged))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -120,16 +121,21 @@ def test_two_workers_and_a_node_equal_the_single_process_run(local_losses, tmp_p
 def test_luwu_train_spawn_node_runs_and_stops_the_node(tmp_path):
     """The one-command try-out: two workers and two spawned node shards; the shards exit when training
     ends, after the final checkpoint read the optimizer state from them. ``--trace`` has each shard's
-    queues as a process row of its own, after the ranks'."""
+    queues as a process row of its own, after the ranks'. The nodes' per-step lines stay off the
+    terminal of the workers' progress bar: they go to ``--node-log``, which the nodes name."""
     env = {**os.environ, CHAOS_ENV: ""}
     out = subprocess.run([sys.executable, "-m", "luwu_rt", "train", "--strategy", "node", "--nproc", "2",
                           "--spawn-node", "--node-shards", "2", "--steps", "2", "--batch-size", "1", "--seq-len", "16",
                           "--eval-every", "0", "--keep-graphs", "none", "--quiet", "--timeout", "60", "--trace",
-                          "t.json", "--ckpt-dir", "ck"],
+                          "t.json", "--ckpt-dir", "ck", "--node-log", "node.log"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "strategy node on 2 ranks" in out.stdout + out.stderr
     assert out.stderr.count("luwu node: done: 2 steps") == 2, out.stderr[-3000:]
+    assert "luwu node: step " not in out.stderr and "per-step lines go to node.log" in out.stderr, out.stderr[-3000:]
+    steps = re.findall(r"\d\d:\d\d:\d\d (step \d+ \(shard \d/2\)):", (tmp_path / "node.log").read_text())
+    assert sorted(steps) == ["step 1 (shard 0/2)", "step 1 (shard 1/2)", "step 2 (shard 0/2)",
+                             "step 2 (shard 1/2)"], (tmp_path / "node.log").read_text()
     assert (tmp_path / "ck" / "step_00000002").is_dir()
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}

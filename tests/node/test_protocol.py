@@ -83,11 +83,11 @@ def _joined(service: NodeService) -> dict:
 
 def _state(service: NodeService):
     r = service.runner
-    pushes = (tuple(r.pushes.applied), [{k: sorted(v) for k, v in g.items()} for g in r.pushes.got],
-              [{k: v.clone() for k, v in p.items()} for p in r.pushes.parts])
+    pushes = (tuple(r.pushes.applied), [{k: (v.clone(), sorted(a.got)) for k, (v, a) in p.items()}
+                                        for p in r.pushes.parts])
     arenas = {t: a.buffer.clone() for t, a in r.store.arenas.items()}
     served = ([list(v) for v in r.served.versions], [tuple(b.clone() for b in pair) for pair in r.served.buffers])
-    return pushes, arenas, served, dict(service._waiting)
+    return pushes, arenas, served, dict(service.protocol.waiting)
 
 
 def _equal(a, b) -> bool:
@@ -107,7 +107,7 @@ def test_seeded_fuzz_leaves_the_node_alive_and_unchanged() -> None:
     good = Message(T.PUSH_GRAD, job=job, rank=0, step=1, unit=1, chunk=0, offset=0, dtype=1, epoch=epoch,
                    payload=torch.ones(CHUNK // 4).numpy().tobytes())
     service.handle(b"w0", encode(good))  # one real push: the node has pending state to keep intact
-    service._outbox.clear()
+    service.protocol.outbox.clear()
     before, rejects0, dups0 = _state(service), sum(service.rejects.values()), service.duplicates
     rng = random.Random(1234)
     other = manifest(lr=2e-2)
@@ -156,14 +156,14 @@ def test_seeded_fuzz_leaves_the_node_alive_and_unchanged() -> None:
     for off in range(0, SIZES[1] * 4, CHUNK):
         n = min(CHUNK, SIZES[1] * 4 - off)
         service.handle(b"w1", push(rank=1, unit=1, chunk=off // CHUNK, offset=off, payload=b"\0" * n))
-    assert service.runner.pushes.got[1][1] == {0, 1, 2, 3, 4}
+    assert service.runner.pushes.parts[1][1][1].got == {0, 1, 2, 3, 4}
 
 
 def test_a_hello_that_disagrees_is_refused_naming_the_difference() -> None:
     service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lambda line: None)
     service.handle(b"w0", encode(Message(T.HELLO, rank=0, dtype=4, payload=manifest_bytes(manifest()))))
     service.handle(b"w1", encode(Message(T.HELLO, rank=1, dtype=4, payload=manifest_bytes(manifest(lr=0.5)))))
-    identity, frames = service._outbox[-1]
+    identity, frames = service.protocol.outbox[-1]
     reply = decode(frames)
     assert identity == b"w1" and reply.type == T.ERROR
     assert "optim.lr: 0.01 != 0.5" in bytes(reply.payload).decode()
@@ -207,7 +207,7 @@ def test_a_node_without_the_runs_snapshot_refuses_a_rejoin() -> None:
     service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lambda line: None)
     service.handle(b"w0", encode(Message(T.HELLO, rank=0, step=3, dtype=DTYPE_CODES["json"],
                                          payload=manifest_bytes(manifest()))))
-    identity, frames = service._outbox[-1]
+    identity, frames = service.protocol.outbox[-1]
     reply = decode(frames)
     assert identity == b"w0" and reply.type == T.ERROR and service.manifest is None
     assert "holds no snapshot" in bytes(reply.payload).decode() and service.rejects["hello"] == 1

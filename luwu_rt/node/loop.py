@@ -1,0 +1,99 @@
+"""The optimizer node's socket loop: its ROUTER, and the one thread that receives and sends on it
+([Note: the node's threads] in service.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from .auth import NodeGate
+from .config import NodeConfig
+from .events import Mailbox
+from .machine import NodeProtocol
+from .protocol import CREDIT_CHUNKS
+from .steps import NodeSteps
+
+__all__ = ["serve_loop"]
+
+
+def serve_loop(*, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps, mailbox: Mailbox,
+               stopping: threading.Event, log: Callable[[str], None], bound: Callable[[str], None],
+               ready: threading.Event | None = None) -> int:
+    """Binds ``config.bind`` and runs until the run is over or ``stopping`` is set; returns the exit status
+    (1 when a step failed). ``bound(address)``: the address it listens on (the system's port for a ``*``)."""
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 2000)
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker takes over its identity
+    router.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + 4096)
+    # Per peer: its credit's chunks and room for small messages; beyond that a peer waits in TCP.
+    router.setsockopt(zmq.RCVHWM, CREDIT_CHUNKS + 64)
+    gate = NodeGate(ctx, router, config.auth_keys, rejects=protocol.rejects, log=log) if config.auth_keys else None
+    inbox = ctx.socket(zmq.PULL)
+    try:
+        router.bind(config.bind)
+        address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound(address)
+        wake = f"inproc://luwu-node-wake-{id(mailbox)}"
+        inbox.bind(wake)
+        mailbox.attach(ctx, wake)
+        log(f"listening on {address} for {config.num_workers} worker(s) "
+            + (f"(CURVE: clients in {config.auth_keys}/clients only)" if gate else
+               "(open: loopback without --auth-keys, every local client is accepted)"))
+        if ready is not None:
+            ready.set()
+        return _run(router, inbox, gate, config=config, protocol=protocol, steps=steps, mailbox=mailbox,
+                    stopping=stopping, log=log)
+    finally:
+        mailbox.detach()
+        inbox.close(0)
+        if gate is not None:
+            gate.close()
+        router.close()
+        ctx.term()
+
+
+def _run(router, inbox, gate: NodeGate | None, *, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps,
+         mailbox: Mailbox, stopping: threading.Event, log: Callable[[str], None]) -> int:
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(inbox, zmq.POLLIN)
+    if gate is not None:
+        poller.register(gate.monitor, zmq.POLLIN)
+    finished_at = None
+    while True:
+        events = dict(poller.poll(500))
+        while router in events:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            protocol.handle(frames[0].bytes, frames[1:])
+        if gate is not None and gate.monitor in events:
+            gate.on_monitor()
+        if inbox in events:
+            while inbox.poll(0):
+                inbox.recv()
+        for event in mailbox.take():
+            protocol.apply(event)
+        outbox, protocol.outbox = protocol.outbox, []
+        for identity, frames in outbox:
+            router.send_multipart([identity, *frames], copy=False)
+        if stopping.is_set():
+            return 0
+        if steps.error is not None:
+            log(f"error: {steps.error}")
+            for identity, frames in protocol.failure(f"optimizer node failed: {steps.error}"):
+                router.send_multipart([identity, *frames])
+            return 1
+        if steps.done.is_set():
+            finished_at = finished_at or time.monotonic()
+            if len(protocol.byes) >= config.num_workers or time.monotonic() - finished_at > config.timeout:
+                log(f"done: {protocol.runner.step} steps; rejected {dict(protocol.rejects) or 'none'}, "
+                    f"{protocol.duplicates} duplicate pushes")
+                return 0

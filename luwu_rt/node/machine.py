@@ -1,0 +1,340 @@
+"""``NodeProtocol``: the optimizer node's protocol state machine ([Note: the node protocol] in protocol.py).
+
+It touches no socket and starts no thread: ``handle`` takes one incoming
+message, ``apply`` one event of another thread (events.py), and both append
+the replies to ``outbox``, which the socket loop sends (loop.py). That is what
+lets the fuzz test drive it directly. Incoming messages and events are
+dispatched by their type, through a table.
+
+Phases: until every worker said HELLO with one manifest and worker 0 sent the
+initial state (INIT ... LAST) the node only collects; then it WELCOMEs every
+worker and the steps thread runs steps ``start_step + 1 .. steps`` (steps.py).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from .chunks import Assembly, cut
+from .config import NodeConfig
+from .events import (Begin, Event, NormsKnown, ReadState, Refusal, StateRead, StepDone, UnitServed)
+from .manifest import difference, job_id
+from .protocol import DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode
+from .runner import NodeRunner
+from .shards import NormHub, pack_norms, unpack_norms
+
+__all__ = ["NodeProtocol"]
+
+_PARAM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class NodeProtocol:
+    """The state of one optimizer node's run as its messages make it."""
+
+    def __init__(self, config: NodeConfig, *, make_runner: Callable[[dict], NodeRunner],
+                 on_welcomed: Callable[[], None], between: queue.SimpleQueue, log: Callable[[str], None],
+                 hub: NormHub | None = None) -> None:
+        """``make_runner(manifest)``: the runner of this node's shard of a run; ``on_welcomed()``: the
+        workers are welcomed (the service starts the steps); ``between``: requests for the steps thread
+        ([Note: between two steps] in steps.py); ``hub``: shard 0's norm hub, with several node shards."""
+        self.config = config
+        self.make_runner, self.on_welcomed = make_runner, on_welcomed
+        self.between, self.log, self.hub = between, log, hub
+        self.epoch = secrets.randbits(31) + 1
+        self.rejects: Counter[str] = Counter()
+        """Reason -> messages dropped: malformed, unexpected, stale or from an unknown peer."""
+        self.duplicates = 0
+        self.manifest: dict | None = None
+        self.job = 0
+        self.peers: dict[bytes, int] = {}
+        """Socket identity -> worker rank, from its HELLO."""
+        self.hellos: dict[int, bytes] = {}
+        self.runner: NodeRunner | None = None
+        self.welcomed = False
+        self.byes: set[int] = set()
+        self.outbox: list[tuple[bytes, list]] = []
+        """Replies the loop sends: ``(identity, frames)``."""
+        self.resumed_from: int | None = None
+        """The step of the snapshot this node resumed from, if it did ([Note: node snapshots])."""
+        self.no_snapshot = "this node was started without --snapshot-dir"
+        """Why the node holds no snapshot of a run, for a worker that rejoins one (the service sets it)."""
+        self._init: dict[tuple[int, int], tuple[torch.Tensor, Assembly]] = {}
+        self._init_whole: set[tuple[int, int]] = set()
+        """(unit, state) of the initial states that arrived whole: a repeated INIT of one changes nothing."""
+        self._init_done = False
+        self.waiting: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
+        """(unit, step) -> the pulls ``(identity, rank)`` waiting for it to be served."""
+        self._begun = 0
+        self._messages: dict[int, Callable[[bytes, Message], None]] = {
+            T.INIT: self._init_chunk, T.HEARTBEAT: self._heartbeat, T.PUSH_GRAD: self._push,
+            T.PULL_PARAM: self._pull, T.BEGIN: self._begin, T.GET_STATE: self._get_state}
+        """Handlers of a joined worker's messages, by type (HELLO and NORM come from anyone: ``handle``)."""
+        self._during_run = {T.PUSH_GRAD, T.PULL_PARAM, T.BEGIN, T.GET_STATE}
+        """Messages only taken once the workers were welcomed, of this node's incarnation."""
+        self._events: dict[type, Callable] = {UnitServed: self._served, NormsKnown: self._norms_known,
+                                              StepDone: self._step_done, StateRead: self._state_read,
+                                              Refusal: self._refusal}
+
+    def resume(self, manifest: dict, runner: NodeRunner, *, step: int) -> None:
+        """The run comes from a snapshot of ``step`` (its states already in ``runner``): no INIT is awaited."""
+        self.manifest, self.job, self.runner = manifest, job_id(manifest), runner
+        self._init_done = True
+        self.resumed_from = step
+
+    # -- incoming messages ------------------------------------------------------------------------
+
+    def handle(self, identity: bytes, frames: list) -> None:
+        """Processes one incoming message; a bad one is dropped and counted in ``rejects``, never raised."""
+        try:
+            msg = decode(frames, max_payload=self.config.max_message_bytes, trusted=bool(self.config.auth_keys))
+            if msg.type == T.HELLO:
+                self._hello(identity, msg)
+                return
+            if msg.type == T.NORM:  # from another node shard, not a worker
+                self._norm(identity, msg)
+                return
+            rank = self.peers.get(identity)
+            if rank is None and msg.type == T.HEARTBEAT:
+                # Likely a worker of this node's previous incarnation: our epoch tells it to say HELLO again.
+                self.reply(identity, Message(T.HEARTBEAT, epoch=self.epoch))
+            if rank is None or rank != msg.rank:
+                raise ProtocolError("peer", "message from a peer that has not said HELLO as this rank")
+            if msg.job != self.job:
+                raise ProtocolError("job", "message of another run")
+            if self.runner is not None:
+                self.runner.pushes.heard[rank] = time.monotonic()
+            handler = self._messages.get(msg.type)
+            if handler is None:
+                raise ProtocolError("type", f"a node does not accept {msg.name}")
+            if msg.type in self._during_run:
+                if not self.welcomed:
+                    raise ProtocolError("early", f"{msg.name} before the node welcomed the workers")
+                if msg.epoch != self.epoch:
+                    raise ProtocolError("epoch", "message for an earlier incarnation of the node")
+            handler(identity, msg)
+        except ProtocolError as exc:
+            self.rejects[exc.reason] += 1
+        except Exception as exc:  # a bug of ours, not the peer's: counted and logged, the node stays up
+            self.rejects["internal"] += 1
+            self.log(f"internal error on a message: {type(exc).__name__}: {exc}")
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        # Over CURVE the MAC guards every frame: no CRC pass ([Note: the node protocol]).
+        self.outbox.append((identity, encode(msg, checksum=not self.config.auth_keys)))
+
+    def refuse(self, identity: bytes, text: str) -> None:
+        self.log(f"refused a worker: {text}")
+        self.reply(identity, Message(T.ERROR, epoch=self.epoch, dtype=DTYPE_CODES["utf8"], payload=text.encode()))
+
+    def _hello(self, identity: bytes, msg: Message) -> None:
+        try:
+            manifest = json.loads(bytes(msg.payload))
+            num_workers = int(manifest["num_workers"])
+        except (ValueError, KeyError, TypeError):
+            raise ProtocolError("hello", "HELLO payload is not a manifest") from None
+        problem = self._hello_problem(msg, manifest, num_workers)
+        if problem:
+            self.rejects["hello"] += 1
+            self.refuse(identity, problem)
+            return
+        if self.manifest is None:
+            self.manifest, self.job = manifest, job_id(manifest)
+        old = self.hellos.get(msg.rank)
+        if old is not None and old != identity:
+            self.peers.pop(old, None)  # a worker that reconnected
+        self.peers[identity], self.hellos[msg.rank] = msg.rank, identity
+        if self.runner is None:
+            try:
+                self.runner = self.make_runner(self.manifest)
+            except ValueError as exc:  # the run does not fit this node: every worker hears why
+                self.manifest, self.job = None, 0
+                self.peers.pop(identity, None)
+                self.hellos.pop(msg.rank, None)
+                self.refuse(identity, f"{exc} (luwu node serve --host-mem / --nvme-dir)")
+                return
+            self.log(f"run {self.job:08x}: {len(self.runner.numels)} units, "
+                     f"{sum(self.runner.numels):,} parameters, placement {self.runner.placement}")
+        if self.welcomed:
+            self._welcome(identity)
+        else:
+            self._maybe_start()
+
+    def _hello_problem(self, msg: Message, manifest: dict, num_workers: int) -> str | None:
+        """Why this node cannot take the HELLO (one line with the fix), or None."""
+        if msg.step and self.resumed_from is None:  # a rejoin ([Note: a node that restarts] in worker.py)
+            return (f"worker {msg.rank} rejoins its run in step {msg.step}, but this node holds no snapshot of it: "
+                    f"{self.no_snapshot}. Resume the workers from their last checkpoint (luwu train --resume) "
+                    f"against this node, or restart the run")
+        shards = manifest.get("nodes", [None])
+        if len(shards) != self.config.num_shards:
+            return (f"worker {msg.rank} names {len(shards)} node address(es) in --node, but this node is shard "
+                    f"{self.config.shard} of {self.config.num_shards}: list every node shard's address, in shard order")
+        if num_workers != self.config.num_workers or not 0 <= msg.rank < num_workers:
+            return (f"worker rank {msg.rank} of {num_workers} workers, but this node serves --num-workers "
+                    f"{self.config.num_workers}; start both with the same count")
+        diff = difference(self.manifest, manifest) if self.manifest is not None else None
+        if diff:
+            return (f"worker {msg.rank}'s run differs from the one this node serves at {diff}; give every worker "
+                    f"the same configuration (or restart the node)")
+        return None
+
+    def _init_chunk(self, identity: bytes, msg: Message) -> None:
+        """Worker 0's initial state, one state of one unit at a time ([Note: wire chunks] in chunks.py)."""
+        runner = self.runner
+        if self.welcomed or msg.rank != 0 or runner is None:
+            raise ProtocolError("init", "initial state comes from worker 0 before the first step")
+        if msg.nbytes:
+            if not (0 <= msg.unit < len(runner.numels) and msg.chunk < len(INIT_STATES)
+                    and msg.dtype == DTYPE_CODES["float32"]):
+                raise ProtocolError("range", f"INIT of unit {msg.unit} state {msg.chunk}")
+            key = (msg.unit, msg.chunk)
+            if key not in self._init_whole:
+                if key not in self._init and self._init:  # one staging buffer at a time: counted in --host-mem
+                    raise ProtocolError("init", "INIT of another state before the last one was whole")
+                buf, assembly = self._init.get(key) or self._staging(msg.unit)
+                fresh = assembly.put(msg.offset, msg.payload)
+                if assembly.complete:  # the unit's state is whole: into the store, the staging buffer dropped
+                    runner.write_initial(msg.unit, INIT_STATES[msg.chunk], buf)
+                    self._init.pop(key, None)
+                    self._init_whole.add(key)
+                else:
+                    self._init[key] = (buf, assembly)
+            else:
+                fresh = False
+            self.reply(identity, Message(T.ACK, flags=0 if fresh else F.DUPLICATE, job=self.job, rank=0,
+                                         unit=msg.unit, chunk=msg.chunk, offset=msg.offset,
+                                         epoch=self.epoch))  # the worker's credit back
+        if msg.flags & F.LAST:
+            self._init_done = True
+            self._maybe_start()
+
+    def _staging(self, unit: int) -> tuple[torch.Tensor, Assembly]:
+        buf = torch.empty(self.runner.numels[unit], dtype=torch.float32)
+        return buf, Assembly([(0, buf)], chunk_bytes=self.runner.model.chunk_bytes)
+
+    def _maybe_start(self) -> None:
+        if self.welcomed or not self._init_done or len(self.hellos) < self.config.num_workers:
+            return
+        self.welcomed = True
+        for identity in self.hellos.values():
+            self._welcome(identity)
+        self.log(f"{self.config.num_workers} worker(s) joined; training from step {self.runner.step}")
+        self.on_welcomed()
+
+    def _welcome(self, identity: bytes) -> None:
+        payload = json.dumps({"step": self.runner.step, "adam_step": self.runner.adam_step, "epoch": self.epoch,
+                              "shard": [self.config.shard_index, self.config.num_shards],
+                              "snapshot_every": self.config.snapshot_every}).encode()
+        self.reply(identity, Message(T.WELCOME, job=self.job, epoch=self.epoch, dtype=DTYPE_CODES["json"],
+                                     payload=payload))
+
+    def _heartbeat(self, identity: bytes, msg: Message) -> None:
+        if msg.flags & F.BYE:
+            self.byes.add(msg.rank)
+        self.reply(identity, Message(T.HEARTBEAT, job=self.job, epoch=self.epoch))
+
+    def _push(self, identity: bytes, msg: Message) -> None:
+        if msg.dtype != DTYPE_CODES["float32"]:
+            raise ProtocolError("dtype", "gradients are pushed in fp32")
+        fresh = self.runner.pushes.offer(rank=msg.rank, step=msg.step, unit=msg.unit, offset=msg.offset,
+                                         payload=msg.payload)
+        self.duplicates += not fresh
+        self.reply(identity, Message(T.ACK, flags=0 if fresh else F.DUPLICATE, job=self.job, rank=msg.rank,
+                                     step=msg.step, unit=msg.unit, chunk=msg.chunk, offset=msg.offset,
+                                     epoch=self.epoch))
+        self._begin(identity, msg)  # a push of a step is its BEGIN too
+
+    def _pull(self, identity: bytes, msg: Message) -> None:
+        runner = self.runner
+        if not 0 <= msg.unit < len(runner.numels):
+            raise ProtocolError("range", f"pull of unit {msg.unit}")
+        newest = runner.served.newest(msg.unit)
+        if msg.step > newest + 1:
+            raise ProtocolError("future", f"pull of unit {msg.unit} after step {msg.step}; served {newest}")
+        if not self._send_params(identity, msg.unit, msg.step, msg.rank):
+            if msg.step <= newest:
+                raise ProtocolError("stale", f"unit {msg.unit} after step {msg.step} is no longer kept")
+            self.waiting.setdefault((msg.unit, msg.step), []).append((identity, msg.rank))
+
+    def _begin(self, identity: bytes, msg: Message) -> None:
+        if msg.step > self._begun:  # the first word of a step wakes the steps thread; later ones need not
+            self._begun = msg.step
+            self.between.put(Begin(msg.step))
+
+    def _get_state(self, identity: bytes, msg: Message) -> None:
+        if not (0 <= msg.unit < len(self.runner.numels) and 0 <= msg.chunk < len(INIT_STATES)):
+            raise ProtocolError("range", f"GET_STATE of unit {msg.unit} state {msg.chunk}")
+        self.between.put(ReadState(identity, msg))
+
+    def _norm(self, identity: bytes, msg: Message) -> None:
+        """A node shard's partial norm ([Note: node shards] in shards.py); only shard 0 takes them."""
+        if self.hub is None:
+            raise ProtocolError("type", "NORM to a node that is not shard 0 of several")
+        if msg.job != self.job:
+            raise ProtocolError("job", "NORM of another run")
+        if msg.dtype != DTYPE_CODES["float64"] or msg.rank == 0:
+            raise ProtocolError("norm", "a NORM carries one float64 from shard 1..k-1")
+        (value,) = unpack_norms(msg.payload, 1)
+        self.hub.offer(msg.step, msg.rank, value, identity)
+
+    # -- outgoing ranges and events of other threads ----------------------------------------------
+
+    def _send_params(self, identity: bytes, unit: int, step: int, rank: int) -> bool:
+        runner = self.runner
+        buf = runner.served.get(unit, step)
+        if buf is None:
+            return False
+        # A view of the served buffer, sent without a copy: it is rewritten two steps later at the
+        # earliest, after every worker received it ([Note: double-buffered parameters] in runner.py).
+        self._send_range(identity, T.PARAM, buf, dtype=DTYPE_CODES[_PARAM_DTYPES[runner.manifest["dtype"]]],
+                         rank=rank, step=step, unit=unit)
+        return True
+
+    def _send_range(self, identity: bytes, kind: int, buf: torch.Tensor, *, index: int | None = None,
+                    **fields) -> None:
+        """``buf``'s bytes as wire chunks ([Note: wire chunks] in chunks.py), ``LAST`` on the final one;
+        ``chunk`` is the chunk's index, or ``index`` (a state's, for STATE)."""
+        size = self.runner.model.chunk_bytes
+        chunks = cut([(0, buf)], chunk_bytes=size)
+        for i, (offset, payload) in enumerate(chunks):
+            self.reply(identity, Message(kind, flags=F.LAST if i == len(chunks) - 1 else 0, job=self.job,
+                                         epoch=self.epoch, chunk=offset // size if index is None else index,
+                                         offset=offset, payload=payload, **fields))
+
+    def apply(self, event: Event) -> None:
+        """An event of another thread (events.py), dispatched by its type."""
+        self._events[type(event)](event)
+
+    def _served(self, event: UnitServed) -> None:
+        for identity, rank in self.waiting.pop((event.unit, event.step), []):
+            self._send_params(identity, event.unit, event.step, rank)
+
+    def _norms_known(self, event: NormsKnown) -> None:
+        for identity, parts in self.hub.replies(event.step):
+            self.reply(identity, Message(T.NORM, job=self.job, step=event.step, dtype=DTYPE_CODES["float64"],
+                                         payload=pack_norms(parts)))
+
+    def _step_done(self, event: StepDone) -> None:
+        for identity, rank in list(self.peers.items()):
+            self.reply(identity, Message(T.STATS, job=self.job, rank=rank, epoch=self.epoch,
+                                         dtype=DTYPE_CODES["json"], payload=event.stats))
+
+    def _refusal(self, event: Refusal) -> None:
+        self.refuse(event.identity, event.text)
+
+    def _state_read(self, event: StateRead) -> None:
+        msg = event.request
+        self._send_range(event.identity, T.STATE, event.values, index=msg.chunk, rank=msg.rank, step=msg.step,
+                         unit=msg.unit, dtype=DTYPE_CODES["float32"])
+
+    def failure(self, text: str) -> list[tuple[bytes, list]]:
+        """The ERROR every joined worker gets when the node fails."""
+        return [(identity, encode(Message(T.ERROR, epoch=self.epoch, dtype=DTYPE_CODES["utf8"], payload=text.encode())))
+                for identity in self.hellos.values()]
