@@ -121,7 +121,7 @@ class TrainConfig:
     loss_scale: float = 1024.0
     """Static loss scale for ``fp16`` (steps whose gradients overflow are skipped)."""
     seed: int = 0
-    """Seeds the initial weights and the batch order."""
+    """Seeds the initial weights, the batch order and the dropout masks ([Note: dropout is drawn by step])."""
     eval_every: int = 100
     """Evaluate on validation batches every this many steps (0: never)."""
     eval_batches: int = 4

@@ -52,7 +52,7 @@ from luwu_rt.config import from_mapping, merge
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, run_checkpoints
-from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
+from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.fs import writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, save_checkpoint, verify_checkpoint
@@ -106,7 +106,8 @@ class Engine:
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
                                                          keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
-                                   at_risk=params_at_risk(self.plan))
+                                   at_risk=params_at_risk(self.plan),
+                                   step_rng=StepRng(seed=config.seed, rank=self.world.rank))
         self.optimizer = AdamWHandler(self.plan.shards, param_dtype=self.param_dtype, grad_dtype=grad_dtype)
         self.norms = NormHandlers(self.plan.shards, grad_dtype=grad_dtype)
         handlers = {"Compute": self.compute, "OptimStep": self._optim_step, "GradNorm": self.norms.grad_norm,
@@ -306,7 +307,7 @@ class Engine:
         if len(batches) != c.grad_accum:
             raise ValueError(f"train_step got {len(batches)} micro-batches; the plan was made for grad_accum={c.grad_accum}")
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
-        self.compute.begin(batches)
+        self.compute.begin(batches, step=self.step + 1)  # [Note: dropout is drawn by step]
         self._skip = None
         self.optimizer.step = self.adam_step + 1
         if self.node is not None:  # joins the optimizer node on the first step; the node updates, this reports the lr
