@@ -38,18 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from luwu_rt.plan.spec import RUNNABLE_STRATEGIES, STRATEGIES
 
     # One source of defaults: luwu train's (TrainConfig), so the same flags ask both commands the same question.
+    from luwu_rt.engine.budgets import auto_help
     from luwu_rt.engine.config import OffloadConfig, TrainConfig
 
     run, off = TrainConfig(), OffloadConfig()
     mib = lambda n: f"{n // 2**20}MiB"  # noqa: E731
     parser.add_argument("--model", default=run.model, choices=list(PRESETS), metavar="PRESET",
                         help=f"built-in model preset ({', '.join(PRESETS)}); default {run.model}")
-    parser.add_argument("--device-mem", default=mib(off.device_mem),
-                        help=f"device memory budget including activations, e.g. 80GiB (default {mib(off.device_mem)}, "
-                             f"as luwu train)")
-    parser.add_argument("--host-mem", default=mib(off.host_mem),
-                        help=f"pinned host memory budget (default {mib(off.host_mem)}, as luwu train; 'all' for this "
-                             f"machine's RAM)")
+    parser.add_argument("--device-mem", default=off.device_mem,
+                        help=f"device memory budget including activations, e.g. 80GiB (default "
+                             f"{auto_help('device')}, as luwu train)".replace("%", "%%"))
+    parser.add_argument("--host-mem", default=off.host_mem,
+                        help=f"pinned host memory budget (default {auto_help('host')}, as luwu train; 'all' for this "
+                             f"machine's RAM)".replace("%", "%%"))
     parser.add_argument("--nvme-dir", default=None,
                         help="directory for the NVMe tier, which need not exist yet; the free space of its disk is "
                              "the budget (default: the current directory's disk, where luwu train makes its scratch "
@@ -128,6 +129,22 @@ def _load_profile(path: str | None):
             from None
 
 
+def _budgets(args: argparse.Namespace):
+    """The budgets ``luwu train`` would plan with: "auto" resolved as the engine resolves it ([Note:
+    automatic budgets] in engine/budgets.py), for --world-size ranks on this machine."""
+    import torch
+
+    from luwu_rt.engine.budgets import AUTO, DEMO_MODEL, resolve_budgets
+    from luwu_rt.plan import Budgets, parse_size
+
+    given = {name: value if value == AUTO else parse_size(value) if value != "all" else _default_host_bytes()
+             for name, value in (("device", args.device_mem), ("host", args.host_mem))}
+    device, host = resolve_budgets(given["device"], given["host"], demo=args.model == DEMO_MODEL,
+                                   device_type="cuda" if torch.cuda.is_available() else "cpu",
+                                   local_ranks=args.world_size)
+    return Budgets(device_bytes=device, host_bytes=host, nvme_bytes=_nvme_budget(args))
+
+
 def _nvme_budget(args: argparse.Namespace) -> int:
     from luwu_rt.cli.dirs import free_bytes
     from luwu_rt.plan.sizes import parse_size
@@ -199,9 +216,7 @@ def run(args: argparse.Namespace) -> int:
 
     shape = get_preset(args.model)
     model = _model_spec(args, shape, chunk_bytes=parse_size(args.chunk_size))
-    budgets = Budgets(device_bytes=parse_size(args.device_mem),
-                      host_bytes=_default_host_bytes() if args.host_mem == "all" else parse_size(args.host_mem),
-                      nvme_bytes=_nvme_budget(args))
+    budgets = _budgets(args)
     strategy = _strategy(args)
     candidates = strategy if isinstance(strategy, list) else [strategy]
     strategy = candidates[0]

@@ -55,7 +55,7 @@ _HELP = {
     "json_log": "append one JSON line per step (step, loss, tokens_per_s, step_s, ...)",
     "eval_every": "validation loss every N steps (default 100; 0 never)",
     "io_backend": "IO engine backend: auto, io_uring or threads",
-    "device_mem": "device budget including activations, e.g. 40GiB (default {device_mem}; a CPU arena without a GPU)",
+    "device_mem": "device budget including activations, e.g. 40GiB (default {device_mem})",
     "host_mem": "pinned host budget, e.g. 200GiB (default {host_mem})",
     "offload_params": "home of the parameters: device|host|nvme|auto (default auto)",
     "offload_optimizer": "home of master weights and moments: device|host|nvme|auto (default auto)",
@@ -88,13 +88,10 @@ _CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "io_backend": ("auto", "io_uring"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from luwu_rt.engine.config import OffloadConfig
-    from luwu_rt.plan import format_size
+    from luwu_rt.engine.budgets import auto_help
 
-    # The budgets' defaults in --help are OffloadConfig's own, so that the text cannot drift from them.
-    off = OffloadConfig()
-    defaults = {"device_mem": format_size(off.device_mem).replace(" ", ""),
-                "host_mem": format_size(off.host_mem).replace(" ", "")}
+    # What the budgets' "auto" default means comes from the code that resolves it, so it cannot drift.
+    defaults = {"device_mem": auto_help("device").replace("%", "%%"), "host_mem": auto_help("host").replace("%", "%%")}
     for name, (_path, kind) in _FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                             help=_HELP[name].format(**defaults), choices=_CHOICES.get(name))
@@ -140,6 +137,7 @@ def _build(args: argparse.Namespace):
     from luwu_rt.config import from_mapping, load_toml, merge
     from luwu_rt.engine import Engine, TrainConfig
     from luwu_rt.ckpt.format import CheckpointReader
+    from luwu_rt.cli.dirs import nothing_left_on_error
     from luwu_rt.fs import lock_dir, writable_dir
     from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
 
@@ -152,18 +150,20 @@ def _build(args: argparse.Namespace):
         if path:  # outputs are checked before the first step, not when it ends ([Note: directory locks])
             writable_dir(os.path.dirname(os.path.abspath(path)), flag=f"the directory of {flag}")
     ckpt = config.checkpoint
-    if not ckpt.dir:
-        return Engine(None, config)
-    if int(os.environ.get("RANK") or 0) == 0:
-        # Held until the process ends: rank 0 alone writes and deletes checkpoints ([Note: directory locks]).
-        lock_dir(ckpt.dir, flag="--ckpt-dir")
-    start = choose_checkpoint(ckpt.dir, resume=ckpt.resume, if_exists=args.resume_if_exists, say=_say)
-    if start is None:
-        return Engine(None, config)
-    reader = CheckpointReader(start)
-    check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(reader.settings, settings)).steps)
-    _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
-    return Engine.load(start, overrides=settings)
+    # A refused run (it does not fit, a checkpoint it cannot resume) leaves no directory or lock file behind.
+    with nothing_left_on_error(config.offload.nvme_dir, ckpt.dir) as held:
+        if not ckpt.dir:
+            return Engine(None, config)
+        if int(os.environ.get("RANK") or 0) == 0:
+            # Held until the process ends: rank 0 alone writes and deletes checkpoints ([Note: directory locks]).
+            held.append(lock_dir(ckpt.dir, flag="--ckpt-dir"))
+        start = choose_checkpoint(ckpt.dir, resume=ckpt.resume, if_exists=args.resume_if_exists, say=_say)
+        if start is None:
+            return Engine(None, config)
+        reader = CheckpointReader(start)
+        check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(reader.settings, settings)).steps)
+        _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
+        return Engine.load(start, overrides=settings)
 
 
 def _say(line: str) -> None:

@@ -34,17 +34,19 @@ class OffloadConfig:
     """Home of the fp32 master weights and the Adam moments."""
     grads: str = "auto"
     """Home of the gradients between backward and the optimizer step."""
-    device_mem: int | str = "88MiB"
+    device_mem: int | str = "auto"
     """Device budget in bytes (``"4GiB"`` accepted), activations included: the planner reserves what one
     micro-batch's activations and kept graphs take (measured, ``engine/workload.py``) and places shards
-    in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it. The
-    default is sized for gpt-tiny's default run on the CPU: 77 MiB of activations (every graph kept)
-    leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the optimizer
-    state as well (9.9 MiB more), so the run uses the device tier for real."""
-    host_mem: int | str = "6MiB"
-    """Pinned host arena budget in bytes. The default is below gpt-tiny's optimizer state (9.9 MiB) but
-    holds one unit's share of it while that unit is updated, so the planner itself must put the
-    optimizer state on NVMe: ``luwu train`` alone uses all three tiers."""
+    in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it.
+    ``"auto"``: a share of this machine's memory, or 88 MiB for the demo model gpt-tiny ([Note: automatic
+    budgets] in engine/budgets.py), sized for its default run on the CPU: 77 MiB of activations (every
+    graph kept) leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the
+    optimizer state as well (9.9 MiB more), so the run uses the device tier for real."""
+    host_mem: int | str = "auto"
+    """Pinned host arena budget in bytes. ``"auto"``: a share of this machine's RAM, or 6 MiB for the demo
+    model gpt-tiny, below its optimizer state (9.9 MiB) but holding one unit's share of it while that unit
+    is updated, so the planner itself must put the optimizer state on NVMe: ``luwu train`` alone uses all
+    three tiers."""
     nvme_dir: str | None = None
     """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it).
     Created when missing, as ``luwu plan --nvme-dir`` assumes. The tier's files (``luwu_state/`` under it)
@@ -62,8 +64,9 @@ class OffloadConfig:
         for name in ("params", "optimizer", "grads"):
             if getattr(self, name) not in _TIERS:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {', '.join(_TIERS)}")
-        self.device_mem = _size(self.device_mem, "offload.device_mem")
-        self.host_mem = _size(self.host_mem, "offload.host_mem")
+        # "auto" stays: the engine resolves it on the machine it runs on (a resumed run on another one too).
+        self.device_mem = self.device_mem if self.device_mem == "auto" else _size(self.device_mem, "offload.device_mem")
+        self.host_mem = self.host_mem if self.host_mem == "auto" else _size(self.host_mem, "offload.host_mem")
         self.chunk_size = _size(self.chunk_size, "offload.chunk_size")
         if self.chunk_size <= 0 or self.chunk_size % 4096:
             raise ValueError(f"offload.chunk_size={self.chunk_size} must be a positive multiple of 4096 bytes")

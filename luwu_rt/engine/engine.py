@@ -52,6 +52,7 @@ from luwu_rt.config import from_mapping, merge
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, run_checkpoints
+from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
 from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.fs import writable_dir
@@ -92,6 +93,7 @@ class Engine:
                  init_from: str | os.PathLike | None = None) -> None:
         self.config = config = config or TrainConfig()
         self.world: World = init_from_env(timeout_s=config.timeout)
+        self._demo = (model if model is not None else config.model) == DEMO_MODEL  # built by name: the demo's budgets
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.param_dtype = COMPUTE_DTYPES[config.dtype]
@@ -179,7 +181,11 @@ class Engine:
             nvme_root = base / "luwu_state"
             # Every rank must plan from the same budgets to make the same plan: the smallest free space.
             nvme_bytes = int(world.all_reduce([shutil.disk_usage(base).free], "min")[0])
-        budgets = Budgets(device_bytes=off.device_mem, host_bytes=off.host_mem, nvme_bytes=nvme_bytes)
+        # "auto" budgets from this machine; every rank plans with the smallest ([Note: automatic budgets]).
+        auto = resolve_budgets(off.device_mem, off.host_mem, demo=self._demo, device_type=self.device.type,
+                               local_ranks=world.local_size)
+        device_bytes, host_bytes = (int(b) for b in world.all_reduce(list(auto), "min"))
+        budgets = Budgets(device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes)
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size)
