@@ -220,7 +220,7 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
         raised = [(what, n, flag) for what, n, have, flag in (
             ("device memory", b.device_bytes, budgets.device_bytes, f"--device-mem {flag_size(b.device_bytes)}"),
             ("host memory", b.host_bytes, budgets.host_bytes, f"--host-mem {flag_size(b.host_bytes)}"),
-            ("NVMe", nvme, budgets.nvme_bytes, f"--nvme-dir on a disk with {format_size(nvme)} free"))
+            ("NVMe", nvme, budgets.nvme_bytes, f"--nvme-dir on a disk with {flag_size(nvme)} free"))
             if have is not None and n > have]
         if b.device_bytes > budgets.device_bytes:
             needs["device_bytes"] = min(needs.get("device_bytes", b.device_bytes), b.device_bytes)
