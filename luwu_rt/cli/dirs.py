@@ -50,7 +50,8 @@ def _missing_top(path: Path) -> Path | None:
 def nothing_left_on_error(*paths: str | os.PathLike | None) -> Iterator[list]:
     """If the block raises, removes what it made of ``paths``: each one's outermost directory that did not
     exist before (when it holds nothing but lock files and empty directories, so a failure never takes
-    data with it), and the lock file of an existing one that had none ([Note: missing directories]).
+    data with it), a file that did not exist (when still empty), and the lock file of an existing
+    directory that had none ([Note: missing directories]).
     Locks the block appends to the list it gets are released after their files are gone: never before,
     or another run could take a lock whose file is then removed under it."""
     from luwu_rt.fs import LOCK_FILE
@@ -65,7 +66,10 @@ def nothing_left_on_error(*paths: str | os.PathLike | None) -> Iterator[list]:
         for lock in locks:
             lock.unlink(missing_ok=True)
         for top in made:
-            if all(f.name == LOCK_FILE for f in top.rglob("*") if not f.is_dir()):
+            if top.is_file():  # a file it created (a log): removed while it is still empty
+                if top.stat().st_size == 0:
+                    top.unlink()
+            elif all(f.name == LOCK_FILE for f in top.rglob("*") if not f.is_dir()):
                 shutil.rmtree(top, ignore_errors=True)
         for lock in held:
             lock.release()

@@ -138,7 +138,7 @@ def _build(args: argparse.Namespace):
     from luwu_rt.engine import Engine, TrainConfig
     from luwu_rt.ckpt.format import CheckpointReader
     from luwu_rt.cli.dirs import nothing_left_on_error
-    from luwu_rt.fs import lock_dir, writable_dir
+    from luwu_rt.fs import lock_dir, lock_file, writable_dir
     from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
 
     settings = merge(load_toml(args.config) if args.config else {}, _overrides(args))
@@ -151,10 +151,14 @@ def _build(args: argparse.Namespace):
             writable_dir(os.path.dirname(os.path.abspath(path)), flag=f"the directory of {flag}")
     ckpt = config.checkpoint
     # A refused run (it does not fit, a checkpoint it cannot resume) leaves no directory or lock file behind.
-    with nothing_left_on_error(config.offload.nvme_dir, ckpt.dir) as held:
+    first = int(os.environ.get("RANK") or 0) == 0
+    with nothing_left_on_error(config.offload.nvme_dir, ckpt.dir, config.json_log if first else None) as held:
+        if config.json_log and first:  # one run per log, or their lines interleave; released when _train ends
+            args.json_log_lock = lock_file(config.json_log, flag="--json-log")
+            held.append(args.json_log_lock)
         if not ckpt.dir:
             return Engine(None, config)
-        if int(os.environ.get("RANK") or 0) == 0:
+        if first:
             # Held until the process ends: rank 0 alone writes and deletes checkpoints ([Note: directory locks]).
             held.append(lock_dir(ckpt.dir, flag="--ckpt-dir"))
         start = choose_checkpoint(ckpt.dir, resume=ckpt.resume, if_exists=args.resume_if_exists, say=_say)
@@ -434,6 +438,8 @@ def _train(engine, args: argparse.Namespace) -> int:
                 log.close()
             except OSError:
                 pass  # the write that failed has raised already
+        if getattr(args, "json_log_lock", None) is not None:
+            args.json_log_lock.release()
     if c.checkpoint.dir and saved != engine.step and engine.step > 0:
         _say(f"step {engine.step}: checkpoint saved to {engine.save(c.checkpoint.dir)}")
     if stop is not None and stop.requested:
