@@ -133,13 +133,15 @@ def fitting_budgets(budgets: Budgets, *, bounds: dict[str, int], plan: Callable[
     tries = 0
 
     def plans(target: dict[str, int | None]) -> str | None:
-        """``None`` when ``target`` plans, else the tier that ran out."""
+        """``None`` when ``target`` plans, else the tier that ran out (``""``: an error no budget cures)."""
         nonlocal tries
         tries += 1
         try:
             plan(as_budgets(target))
         except OutOfBudget as exc:
             return exc.tier
+        except ValueError:  # not a matter of budgets: no budgets plan it
+            return ""
         return None
 
     def as_budgets(target: dict[str, int | None]) -> Budgets:
@@ -147,7 +149,7 @@ def fitting_budgets(budgets: Budgets, *, bounds: dict[str, int], plan: Callable[
 
     target, failed = dict(start), {}
     while (tier := plans(target)) is not None:
-        if tries >= _MAX_PLANS or target[tier] is None or give_up(as_budgets(target)):
+        if tries >= _MAX_PLANS or not tier or target[tier] is None or give_up(as_budgets(target)):
             return None
         failed[tier] = target[tier]
         target[tier] = parse_size(flag_size(max(int(target[tier] * _GROWTH), target[tier] + 1)))
