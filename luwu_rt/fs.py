@@ -17,6 +17,11 @@ takes the checkpoint directory's lock before training, and ``Engine.save``
 takes it again without deadlocking on itself. With several ranks only rank 0
 locks the checkpoint directory (it alone commits and deletes), and every rank
 locks its own NVMe directory (``D/rank-<r>``).
+
+A file that one run appends to (``--json-log``) is locked the same way but on
+the file itself (``lock_file``), so that two runs never interleave their
+lines: the second is refused before it builds anything. The file holds the
+log, not a pid, so the holder is looked up in ``/proc/locks``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["LOCK_FILE", "DirLock", "fsync_dir", "lock_dir", "writable_dir"]
+__all__ = ["LOCK_FILE", "DirLock", "FileLock", "fsync_dir", "lock_dir", "lock_file", "writable_dir"]
 
 LOCK_FILE = ".luwu.lock"
 
@@ -101,6 +106,55 @@ def lock_dir(path: str | os.PathLike, *, flag: str) -> DirLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         lock = _held[directory] = DirLock(directory, fd)
         return lock
+
+
+class FileLock:
+    """An exclusive flock on a file a run writes, held until ``release`` ([Note: directory locks])."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the flock
+            self._fd = -1
+
+
+def _flock_holder(path: Path) -> str:
+    """The pid holding a flock on ``path``, from ``/proc/locks`` (``unknown`` where it cannot be read)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f if " FLOCK " in line]
+    except OSError:
+        return "unknown"
+    exact = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    # On overlay file systems the lock names the underlying device: then the inode alone, if it is unique.
+    for match in (lambda key: key == exact, lambda key: key.rsplit(":", 1)[-1] == str(st.st_ino)):
+        pids = {row[4] for row in rows if len(row) > 5 and match(row[5])}
+        if len(pids) == 1:
+            return pids.pop()
+    return "unknown"
+
+
+def lock_file(path: str | os.PathLike, *, flag: str) -> FileLock:
+    """Opens (creating) file ``path`` and takes an exclusive flock on it for this run, or raises ``OSError``
+    naming the pid of the run that holds it ([Note: directory locks])."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot open {flag} ({exc.strerror})", str(p)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise OSError(errno.EBUSY, f"{flag} is in use by another run (pid {_flock_holder(p)}); wait for it to "
+                                       f"end or give this run another file", str(p)) from None
+        raise OSError(exc.errno, f"cannot lock {flag} ({exc.strerror})", str(p)) from None
+    return FileLock(p, fd)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

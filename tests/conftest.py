@@ -9,6 +9,18 @@ import pytest
 
 from luwu_rt.exec.chaos import CHAOS_ENV
 
+try:
+    from hypothesis.configuration import set_hypothesis_home_dir
+except ImportError:  # hypothesis comes with the test extra; the tests that use it import it themselves
+    pass
+else:
+    import os
+    import tempfile
+
+    # Hypothesis keeps its example database (and caches) in ./.hypothesis by default: in the system's temporary
+    # directory instead, so that running the tests leaves the working tree as it was.
+    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"luwu-hypothesis-{os.getuid()}"))
+
 CHAOS_SEED = 20240611
 
 

@@ -109,27 +109,20 @@ def _raw_io_seconds(directory: str, *, read_bytes: int, write_bytes: int, block_
                 os.unlink(path)
 
 
-def _host_too_small(model, host_bytes: int, placement, args: argparse.Namespace) -> str:
+def _host_too_small(model, budgets, placement, args: argparse.Namespace) -> str:
     """The planner's does-not-fit, in this command's terms: its placement is fixed (params and grads on
     the host, optimizer state on NVMe), so the remedies are its own flags, with the smallest --host-mem
-    that plans."""
-    from luwu_rt.plan import Budgets, Strategy, format_size, plan_step
+    that plans: found and planned with by ``fitting_budgets`` ([Note: suggesting budgets] in plan/search.py)."""
+    from luwu_rt.plan import Strategy, flag_size, plan_step
     from luwu_rt.plan.planner import lower_bounds
+    from luwu_rt.plan.search import fitting_budgets
 
-    need = -(-lower_bounds(model, placement=placement, strategy=Strategy())["host"] // 2**20) * 2**20
-    # The lower bound ignores fragmentation; a few chunks more always plan.
-    for extra in range(0, 9):
-        try:
-            plan_step(model, budgets=Budgets(device_bytes=0, host_bytes=need + extra * model.chunk_bytes),
-                      placement=placement)
-        except ValueError:
-            continue
-        need += extra * model.chunk_bytes
-        break
+    fits = fitting_budgets(budgets, bounds=lower_bounds(model, placement=placement, strategy=Strategy()),
+                           plan=lambda b: plan_step(model, budgets=b, placement=placement))
+    advice = f"pass --host-mem {flag_size(fits.host_bytes)} or more, or " if fits is not None else ""
     return (f"--host-mem {args.host_mem} is too small for {args.params} params: the host holds every unit's bf16 "
-            f"params and fp32 grads plus the optimizer state of the units being updated, at least "
-            f"{format_size(need)}; pass --host-mem {need // 2**20}MiB or more, or fewer --params or a smaller "
-            f"--unit-params")
+            f"params and fp32 grads plus the optimizer state of the units being updated; {advice}fewer --params "
+            f"or a smaller --unit-params")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_step(model, budgets=budgets, placement=placement)
     except ValueError:
-        raise ValueError(_host_too_small(model, budgets.host_bytes, placement, args)) from None
+        raise ValueError(_host_too_small(model, budgets, placement, args)) from None
     validate(plan)
     # As luwu train treats --nvme-dir ([Note: missing directories]); made only once the plan is known to fit.
     with created_dir(args.nvme_dir, flag="--nvme-dir"):

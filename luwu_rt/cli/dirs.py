@@ -10,7 +10,9 @@ files, while the benchmarks keep nothing, so they remove what they created. ``lu
 nothing: it plans with the free space of the disk the directory would be made on. ``luwu train``
 without ``--nvme-dir`` makes a scratch directory ``./luwu-scratch-*`` and removes it at exit (success,
 error or Ctrl-C), and ``luwu plan`` without ``--nvme-dir`` plans with the free space of the current
-directory's disk, so the two answer alike.
+directory's disk, so the two answer alike. A run refused before it starts (it does not fit, a
+checkpoint it cannot resume) leaves nothing behind: ``nothing_left_on_error`` removes the directories it
+created and the lock files it made in existing ones.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["SCRATCH_PREFIX", "Scratch", "created_dir", "disk_problem", "free_bytes", "scratch_dir"]
+__all__ = ["SCRATCH_PREFIX", "Scratch", "created_dir", "disk_problem", "free_bytes", "nothing_left_on_error",
+           "scratch_dir"]
 
 SCRATCH_PREFIX = "luwu-scratch-"
 """Name prefix of the NVMe scratch directory ``luwu train`` makes in the current directory."""
@@ -41,6 +44,36 @@ def _missing_top(path: Path) -> Path | None:
     while not p.exists():
         top, p = p, p.parent
     return top
+
+
+@contextlib.contextmanager
+def nothing_left_on_error(*paths: str | os.PathLike | None) -> Iterator[list]:
+    """If the block raises, removes what it made of ``paths``: each one's outermost directory that did not
+    exist before (when it holds nothing but lock files and empty directories, so a failure never takes
+    data with it), a file that did not exist (when still empty), and the lock file of an existing
+    directory that had none ([Note: missing directories]).
+    Locks the block appends to the list it gets are released after their files are gone: never before,
+    or another run could take a lock whose file is then removed under it."""
+    from luwu_rt.fs import LOCK_FILE
+
+    given = [Path(p) for p in paths if p]
+    made = [top for p in given if (top := _missing_top(p)) is not None]
+    locks = [p / LOCK_FILE for p in given if p.is_dir() and not (p / LOCK_FILE).exists()]
+    held: list = []
+    try:
+        yield held
+    except BaseException:
+        for lock in locks:
+            lock.unlink(missing_ok=True)
+        for top in made:
+            if top.is_file():  # a file it created (a log): removed while it is still empty
+                if top.stat().st_size == 0:
+                    top.unlink()
+            elif all(f.name == LOCK_FILE for f in top.rglob("*") if not f.is_dir()):
+                shutil.rmtree(top, ignore_errors=True)
+        for lock in held:
+            lock.release()
+        raise
 
 
 def free_bytes(path: str | os.PathLike) -> int:

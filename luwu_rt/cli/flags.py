@@ -90,7 +90,7 @@ def _help(f: ConfigFlag, note: str | None) -> str:
     text = f.flag.help
     if "{default}" in text:
         text = text.format(default=f.default)
-    elif f.default is not None and f.default is not False:
+    elif f.default is not None and f.default is not False and "(default " not in text:  # a help that says it
         text += f" (default {f.default})"
     if note:
         text += f"; {note}"

@@ -99,6 +99,18 @@ def _load_profile(path: str | None):
             from None
 
 
+def _budgets(args: argparse.Namespace, config, *, device_type: str):
+    """The budgets ``luwu train`` would plan with: "auto" resolved as the engine resolves it ([Note:
+    automatic budgets] in engine/budgets.py), for --world-size ranks on this machine."""
+    from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
+    from luwu_rt.plan import Budgets
+
+    off = config.offload
+    device, host = resolve_budgets(off.device_mem_bytes, off.host_mem_bytes, demo=config.model == DEMO_MODEL,
+                                   device_type=device_type, local_ranks=args.world_size)
+    return Budgets(device_bytes=device, host_bytes=host, nvme_bytes=_nvme_budget(args, off.nvme_dir))
+
+
 def _nvme_budget(args: argparse.Namespace, nvme_dir: str | None) -> int:
     from luwu_rt.cli.dirs import free_bytes
     from luwu_rt.plan.sizes import parse_size
@@ -186,14 +198,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from luwu_rt.engine.workload import config_model_spec
-    from luwu_rt.plan import Budgets, DoesNotFit, Placement, estimate, plan_auto, validate
+    from luwu_rt.plan import DoesNotFit, Placement, estimate, plan_auto, validate
 
     config, chain = _train_config(args)
     off = config.offload
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     model = config_model_spec(chain, config, device_type=device_type, world_size=args.world_size)
-    budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes,
-                      nvme_bytes=_nvme_budget(args, off.nvme_dir))
+    budgets = _budgets(args, config, device_type=device_type)
     strategy = _strategy(args, config)
     candidates = strategy if isinstance(strategy, list) else [strategy]
     strategy = candidates[0]

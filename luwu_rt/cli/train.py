@@ -67,7 +67,8 @@ def _build(args: argparse.Namespace):
     from luwu_rt.config import from_mapping, merge, upgrade_keys
     from luwu_rt.engine import Engine, TrainConfig
     from luwu_rt.ckpt.format import CheckpointReader
-    from luwu_rt.fs import lock_dir, writable_dir
+    from luwu_rt.cli.dirs import nothing_left_on_error
+    from luwu_rt.fs import lock_dir, lock_file, writable_dir
     from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
 
     settings = _settings(args)
@@ -79,19 +80,25 @@ def _build(args: argparse.Namespace):
         if path:  # outputs are checked before the first step, not when it ends ([Note: directory locks])
             writable_dir(os.path.dirname(os.path.abspath(path)), flag=f"the directory of {flag}")
     ckpt = config.checkpoint
-    if not ckpt.dir:
-        return Engine(None, config)
-    if int(os.environ.get("RANK") or 0) == 0:
-        # Held until the process ends: rank 0 alone writes and deletes checkpoints ([Note: directory locks]).
-        lock_dir(ckpt.dir, flag="--ckpt-dir")
-    start = choose_checkpoint(ckpt.dir, resume=ckpt.resume, if_exists=args.resume_if_exists, say=_say)
-    if start is None:
-        return Engine(None, config)
-    reader = CheckpointReader(start)
-    saved = upgrade_keys(TrainConfig, reader.settings)  # a checkpoint from before a rename keeps its old keys
-    check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(saved, settings)).steps)
-    _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
-    return Engine.load(start, overrides=settings)
+    # A refused run (it does not fit, a checkpoint it cannot resume) leaves no directory or lock file behind.
+    first = int(os.environ.get("RANK") or 0) == 0
+    with nothing_left_on_error(config.offload.nvme_dir, ckpt.dir, config.json_log if first else None) as held:
+        if config.json_log and first:  # one run per log, or their lines interleave; released when _train ends
+            args.json_log_lock = lock_file(config.json_log, flag="--json-log")
+            held.append(args.json_log_lock)
+        if not ckpt.dir:
+            return Engine(None, config)
+        if first:
+            # Held until the process ends: rank 0 alone writes and deletes checkpoints ([Note: directory locks]).
+            held.append(lock_dir(ckpt.dir, flag="--ckpt-dir"))
+        start = choose_checkpoint(ckpt.dir, resume=ckpt.resume, if_exists=args.resume_if_exists, say=_say)
+        if start is None:
+            return Engine(None, config)
+        reader = CheckpointReader(start)
+        saved = upgrade_keys(TrainConfig, reader.settings)  # a checkpoint from before a rename keeps its old keys
+        check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(saved, settings)).steps)
+        _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
+        return Engine.load(start, overrides=settings)
 
 
 def _say(line: str) -> None:
@@ -365,6 +372,8 @@ def _train(engine, args: argparse.Namespace) -> int:
                 log.close()
             except OSError:
                 pass  # the write that failed has raised already
+        if getattr(args, "json_log_lock", None) is not None:
+            args.json_log_lock.release()
     if c.checkpoint.dir and saved != engine.step and engine.step > 0:
         _say(f"step {engine.step}: checkpoint saved to {engine.save(c.checkpoint.dir)}")
     if stop is not None and stop.requested:

@@ -69,8 +69,9 @@ class TorchGroup:
     pieces, which moves exactly (N-1)/N, followed by a local sum of the N
     received pieces in rank order. An all-gather whose outputs are consecutive
     pieces of one buffer (a unit's full buffer cut by rank) gathers straight
-    into that buffer (``all_gather_into_tensor``), without the staging copies
-    of the list form."""
+    into that buffer (``all_gather_single``, what torch 2.13 calls the former
+    ``all_gather_into_tensor``: the same collective, the same bytes), without
+    the staging copies of the list form."""
 
     def __init__(self, group: object | None = None) -> None:
         import torch.distributed as dist
@@ -99,7 +100,7 @@ class TorchGroup:
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
         whole = _joined(outputs)
         if whole is not None:
-            return self._dist.all_gather_into_tensor(whole, input, group=self.group, async_op=True)
+            return self._dist.all_gather_single(whole, input, group=self.group, async_op=True)
         return self._dist.all_gather(list(outputs), input, group=self.group, async_op=True)
 
 

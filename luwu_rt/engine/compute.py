@@ -40,12 +40,29 @@ autograd actually saves is copied (under bf16 autocast the weights it saves are
 already casts, so nothing is), and only for the forwards whose parameter copies
 are at risk (``plan.analysis.params_at_risk``). The cost of kept graphs is
 memory outside the arenas; ``kept_bytes`` in the step metrics reports it.
+
+[Note: dropout is drawn by step]
+A training pass runs every unit in train mode and an evaluation pass in eval
+mode (``begin``): dropout is on in the one and off in the other, whatever mode
+the model was handed over in. With ``StepRng`` (the engine's), the random
+numbers a training step draws come from a generator state of their own,
+derived from ``(seed, rank, step)`` alone, as the step's batches are drawn by
+step number: the step is reproducible in any process, a resumed run draws what
+the uninterrupted one drew (nothing about the RNG needs saving: the seed and the
+step are in the checkpoint), a step replayed after a node restart draws the
+same masks, and neither the user's draws from the global RNG between steps nor
+this step's draws touch each other ([Note: a node that restarts] in
+node/worker.py). Forwards draw from it in order; the recomputation in backward
+replays the state its forward started from (``_RngState.replay``), so B(k)
+differentiates the masks F(k) used; the last unit runs once and draws from the
+step's state directly ([Note: the last unit runs once]).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +72,7 @@ from luwu_rt.exec.executor import Views
 from luwu_rt.models.units import UnitChain, _swap_in
 from luwu_rt.plan.ops import Compute, ShardId
 
-__all__ = ["InputStore", "UnitCompute", "UnitwiseConfig", "bind_unit_params"]
+__all__ = ["InputStore", "StepRng", "UnitCompute", "UnitwiseConfig", "bind_unit_params"]
 
 Grads = dict[int, list[torch.Tensor | None]]
 """Parameter gradients by owning unit, aligned with ``chain.own_params(owner)``."""
@@ -101,14 +118,19 @@ class InputStore:
 
 
 class _RngState:
-    """The CPU (and, for a CUDA input, that device's) RNG state at a unit's forward."""
+    """A CPU (and, on a CUDA device, that device's) RNG state: the global one now, or a seed's."""
 
     __slots__ = ("cpu", "cuda", "device")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, seed: int | None = None) -> None:
         self.device = device
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        if seed is None:
+            self.cpu = torch.get_rng_state()
+            self.cuda = torch.cuda.get_rng_state(device) if cuda else None
+        else:  # fresh generators: the global RNG is not touched
+            self.cpu = torch.Generator().manual_seed(seed).get_state()
+            self.cuda = torch.Generator(device=device).manual_seed(seed).get_state() if cuda else None
 
     @contextmanager
     def replay(self) -> Iterator[None]:
@@ -118,6 +140,33 @@ class _RngState:
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda, self.device)
             yield
+
+    @contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Run the block drawing from this state, which then stands past what the block drew; the global
+        RNG state is put back."""
+        with self.replay():
+            try:
+                yield
+            finally:
+                self.cpu = torch.get_rng_state()
+                if self.cuda is not None:
+                    self.cuda = torch.cuda.get_rng_state(self.device)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepRng:
+    """Where a training step's random numbers (dropout masks) come from ([Note: dropout is drawn by step])."""
+
+    seed: int
+    """The run's seed (``TrainConfig.seed``)."""
+    rank: int = 0
+    """This rank: each rank draws its own masks for its own rows."""
+
+    def state(self, step: int, device: torch.device) -> _RngState:
+        """The generator state step ``step`` starts drawing from."""
+        digest = hashlib.blake2b(f"luwu-dropout/{self.seed}/{self.rank}/{step}".encode(), digest_size=8).digest()
+        return _RngState(device, seed=int.from_bytes(digest, "little") >> 1)
 
 
 def _autocast(device: torch.device, config: UnitwiseConfig):
@@ -144,11 +193,14 @@ class UnitCompute:
 
     def __init__(self, chain: UnitChain, *, config: UnitwiseConfig, param_dtype: torch.dtype | None = None,
                  grad_dtype: torch.dtype | None = None, device_arena: torch.Tensor | None = None,
-                 at_risk: frozenset[tuple[int, int]] | None = None, inputs: InputStore | None = None) -> None:
+                 at_risk: frozenset[tuple[int, int]] | None = None, inputs: InputStore | None = None,
+                 step_rng: StepRng | None = None) -> None:
         """``param_dtype``/``grad_dtype``: element types of the plan's parameter and gradient copies (the
         handler only). ``device_arena``: the buffer the parameter views come from. ``at_risk``: the
         ``(micro_batch, unit)`` forwards whose saved tensors aliasing the arena must be copied
-        (``params_at_risk(plan)``); ``None``: all of them ([Note: kept graphs in the engine])."""
+        (``params_at_risk(plan)``); ``None``: all of them ([Note: kept graphs in the engine]).
+        ``step_rng``: training steps draw from a state of their own ([Note: dropout is drawn by step]);
+        ``None``: from the global RNG."""
         if config.keep_graph and max(config.keep_graph) >= chain.num_units:
             raise ValueError(f"keep_graph names unit {max(config.keep_graph)}, but the chain has "
                              f"{chain.num_units} units")
@@ -159,14 +211,23 @@ class UnitCompute:
         self.inputs = inputs or InputStore()
         self._arena_ptr = device_arena.untyped_storage().data_ptr() if device_arena is not None else None
         self._at_risk = at_risk
+        self.step_rng = step_rng
         self.begin([])
 
-    def begin(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool = True) -> None:
-        """Resets per-step state for the micro-batches ``[(inputs, targets), ...]`` of the next step;
-        ``train=False`` for a forward-only (evaluation) pass: no graphs kept, the last unit's forward
-        computes the loss."""
+    def begin(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool = True,
+              step: int | None = None) -> None:
+        """Resets per-step state for the micro-batches ``[(inputs, targets), ...]`` of the next step and
+        puts every unit in train mode; ``train=False`` for a forward-only (evaluation) pass: units in eval
+        mode (no dropout), no graphs kept, the last unit's forward computes the loss. ``step``: the step's
+        number, which its random numbers derive from (needed with ``step_rng``)."""
         self.batches = batches
         self.train = train
+        for unit in self.chain.units:  # dropout reads each module's .training
+            unit.train(train)
+        self._draws: _RngState | None = None
+        if train and self.step_rng is not None and batches:
+            assert step is not None, "a training step of a UnitCompute with step_rng needs its step number"
+            self._draws = self.step_rng.state(step, batches[0][0].device)
         self.ctx = [self.chain.context(inputs) for inputs, _ in batches]
         self.saved: list[dict[int, object]] = [{} for _ in batches]
         self.graphs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in batches]
@@ -203,6 +264,10 @@ class UnitCompute:
 
     # -- one unit -------------------------------------------------------------------------------
 
+    def _drawing(self):
+        """Where a training computation's fresh random numbers come from ([Note: dropout is drawn by step])."""
+        return self._draws.drawing() if self._draws is not None else nullcontext()
+
     def forward(self, mb: int, k: int) -> None:
         """F(k) of micro-batch ``mb``, the unit's parameters resident."""
         x = self.carry[mb]
@@ -214,13 +279,15 @@ class UnitCompute:
             self.carry[mb] = y
             return
         if k in self.config.keep_graph:
-            self._forward_kept(mb, k, x)
+            with self._drawing():
+                self._forward_kept(mb, k, x)
             return
         self.saved[mb][k] = self.inputs.save_input(k, x)
-        if self.config.preserve_rng:
-            self.rng[mb][k] = _RngState(x.device)
-        with torch.no_grad(), _autocast(x.device, self.config):
-            self.carry[mb] = self.chain.run(k, x, self.ctx[mb])
+        with self._drawing():
+            if self.config.preserve_rng:
+                self.rng[mb][k] = _RngState(x.device)
+            with torch.no_grad(), _autocast(x.device, self.config):
+                self.carry[mb] = self.chain.run(k, x, self.ctx[mb])
 
     def _forward_kept(self, mb: int, k: int, x: torch.Tensor) -> None:
         """F(k) with grad, keeping the graph; saved tensors aliasing the arena are copied once."""
@@ -259,14 +326,13 @@ class UnitCompute:
             grads, self.carry[mb] = _differentiate(self.chain, k, x_in, y, self.carry[mb])
             return grads
         last = self.chain.num_units - 1
-        if k == last:  # [Note: the last unit runs once]
+        if k == last:  # [Note: the last unit runs once]: it draws afresh, nothing to replay
             self.saved[mb][k] = self.inputs.save_input(k, self.carry[mb])
-            if self.config.preserve_rng:
-                self.rng[mb][k] = _RngState(self.carry[mb].device)
         x_in = self.inputs.load_input(k, self.saved[mb].pop(k))
-        grads, self.carry[mb], loss = _backward_unit(
-            self.chain, k, x_in, self.ctx[mb], self.batches[mb][1], self.carry[mb] if k != last else None,
-            is_last=k == last, rng=self.rng[mb].pop(k, None), config=self.config)
+        with self._drawing() if k == last else nullcontext():
+            grads, self.carry[mb], loss = _backward_unit(
+                self.chain, k, x_in, self.ctx[mb], self.batches[mb][1], self.carry[mb] if k != last else None,
+                is_last=k == last, rng=self.rng[mb].pop(k, None), config=self.config)
         if loss is not None:
             self.losses[mb] = loss
         return grads

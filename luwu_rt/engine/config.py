@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from luwu_rt.config import flag
 from luwu_rt.data import DataConfig
+from luwu_rt.engine.budgets import auto_help
 from luwu_rt.io.engine import BACKENDS
 from luwu_rt.models.presets import PRESETS
 from luwu_rt.optim.config import OptimConfig
@@ -58,20 +59,22 @@ class OffloadConfig:
     """Home of the fp32 master weights and the Adam moments."""
     grads: str = field(default="auto", metadata=_placement("grads", "the gradients"))
     """Home of the gradients between backward and the optimizer step."""
-    device_mem_bytes: int | str = field(default="88MiB", metadata=flag(
-        "device budget including the activations, e.g. 40GiB (default {default}; a CPU arena without a GPU)",
+    device_mem_bytes: int | str = field(default="auto", metadata=flag(
+        f"device budget including the activations, e.g. 40GiB (default {auto_help('device')})",
         name="--device-mem", metavar="SIZE", plans=True))
     """Device budget in bytes (``"4GiB"`` accepted), activations included: the planner reserves what one
     micro-batch's activations and kept graphs take (measured, ``engine/workload.py``) and places shards
-    in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it. The
-    default is sized for gpt-tiny's default run on the CPU: 77 MiB of activations (every graph kept)
-    leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the optimizer
-    state as well (9.9 MiB more), so the run uses the device tier for real."""
-    host_mem_bytes: int | str = field(default="6MiB", metadata=flag("pinned host budget, e.g. 200GiB",
-                                                                   name="--host-mem", metavar="SIZE", plans=True))
-    """Pinned host arena budget in bytes. The default is below gpt-tiny's optimizer state (9.9 MiB) but
-    holds one unit's share of it while that unit is updated, so the planner itself must put the
-    optimizer state on NVMe: ``luwu train`` alone uses all three tiers."""
+    in the rest. Without a GPU the device tier is a CPU arena and the activations live beside it.
+    ``"auto"``: a share of this machine's memory, or 88 MiB for the demo model gpt-tiny ([Note: automatic
+    budgets] in engine/budgets.py), sized for its default run on the CPU: 77 MiB of activations (every
+    graph kept) leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the
+    optimizer state as well (9.9 MiB more), so the run uses the device tier for real."""
+    host_mem_bytes: int | str = field(default="auto", metadata=flag(
+        f"pinned host budget, e.g. 200GiB (default {auto_help('host')})", name="--host-mem", metavar="SIZE", plans=True))
+    """Pinned host arena budget in bytes. ``"auto"``: a share of this machine's RAM, or 6 MiB for the demo
+    model gpt-tiny, below its optimizer state (9.9 MiB) but holding one unit's share of it while that unit
+    is updated, so the planner itself must put the optimizer state on NVMe: ``luwu train`` alone uses all
+    three tiers."""
     nvme_dir: str | None = field(default=None, metadata=flag(
         "directory of the NVMe tier, created if missing (default: a scratch directory ./luwu-scratch-* made for "
         "the run and removed at exit; a resumed run makes a new one too)", metavar="DIR", plans=True))
@@ -98,8 +101,10 @@ class OffloadConfig:
         for name in ("params", "optimizer", "grads"):
             if getattr(self, name) not in _TIERS:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {', '.join(_TIERS)}")
-        self.device_mem_bytes = _size(self.device_mem_bytes, "offload.device_mem_bytes (--device-mem)")
-        self.host_mem_bytes = _size(self.host_mem_bytes, "offload.host_mem_bytes (--host-mem)")
+        # "auto" stays: the engine resolves it on the machine it runs on (a resumed run on another one too).
+        for name, flag_name in (("device_mem_bytes", "--device-mem"), ("host_mem_bytes", "--host-mem")):
+            if getattr(self, name) != "auto":
+                setattr(self, name, _size(getattr(self, name), f"offload.{name} ({flag_name})"))
         self.chunk_bytes = _size(self.chunk_bytes, "offload.chunk_bytes (--chunk-size)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             raise ValueError(f"offload.chunk_bytes={self.chunk_bytes} (--chunk-size) must be a positive multiple of "
@@ -165,8 +170,9 @@ class TrainConfig:
     """Compute dtype of the parameters and activations: ``fp32``, ``bf16`` or ``fp16``; master weights stay fp32."""
     loss_scale: float = 1024.0
     """Static loss scale for ``fp16`` (steps whose gradients overflow are skipped)."""
-    seed: int = field(default=0, metadata=flag("seed of the initial weights and the batch order"))
-    """Seeds the initial weights and the batch order."""
+    seed: int = field(default=0, metadata=flag("seed of the initial weights, the batch order and the dropout masks"))
+    """Seeds the initial weights, the batch order and the dropout masks ([Note: dropout is drawn by step]
+    in engine/compute.py)."""
     eval_every: int = field(default=100, metadata=flag("validation loss every N steps, 0 never", metavar="N"))
     """Evaluate on validation batches every this many steps (0: never)."""
     eval_batches: int = 4

@@ -44,7 +44,8 @@ from luwu_rt.config import from_mapping, merge, upgrade_keys
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, new_run_id, run_checkpoints
-from luwu_rt.engine.compute import UnitCompute, UnitwiseConfig
+from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
+from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig
 from luwu_rt.fs import writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, save_checkpoint, verify_checkpoint
@@ -82,6 +83,7 @@ class Engine:
                  init_from: str | os.PathLike | None = None) -> None:
         self.config = config = config or TrainConfig()
         self.world: World = init_from_env(timeout_s=config.timeout_s)
+        self._demo = (model if model is not None else config.model) == DEMO_MODEL  # built by name: the demo's budgets
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.param_dtype = COMPUTE_DTYPES[config.dtype]
@@ -96,7 +98,8 @@ class Engine:
                                    config=UnitwiseConfig(loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
                                                          keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
-                                   at_risk=params_at_risk(self.plan))
+                                   at_risk=params_at_risk(self.plan),
+                                   step_rng=StepRng(seed=config.seed, rank=self.world.rank))
         self.optimizer: OptimizerPlace = self._place_optimizer(grad_dtype)
         """Where the optimizer runs ([Note: where the optimizer runs] in exec/place.py)."""
         handlers = {"Compute": self.compute, **self.optimizer.handlers()}
@@ -156,7 +159,11 @@ class Engine:
             nvme_root = base / "luwu_state"
             # Every rank must plan from the same budgets to make the same plan: the smallest free space.
             nvme_bytes = int(world.all_reduce([shutil.disk_usage(base).free], "min")[0])
-        budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=nvme_bytes)
+        # "auto" budgets from this machine; every rank plans with the smallest ([Note: automatic budgets]).
+        auto = resolve_budgets(off.device_mem_bytes, off.host_mem_bytes, demo=self._demo, device_type=self.device.type,
+                               local_ranks=world.local_size)
+        device_bytes, host_bytes = (int(b) for b in world.all_reduce(list(auto), "min"))
+        budgets = Budgets(device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes)
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size)
@@ -293,7 +300,7 @@ class Engine:
         if len(batches) != c.grad_accum:
             raise ValueError(f"train_step got {len(batches)} micro-batches; the plan was made for grad_accum={c.grad_accum}")
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
-        self.compute.begin(batches)
+        self.compute.begin(batches, step=step)  # [Note: dropout is drawn by step]
         self.optimizer.begin_step(step)
         start = time.perf_counter()
         self.last_spans = self.executor.run()

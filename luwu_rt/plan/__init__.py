@@ -27,8 +27,8 @@ from .ops import (COMM_QUEUES, GLOBAL_UNIT, QUEUES, WORKSPACE_KINDS, Access, Col
                   SwapPlan, Wait, format_ops)
 from .node import node_lower_bounds, plan_node, push_order
 from .planner import POLICIES, lower_bounds, plan_step
-from .search import DoesNotFit, PlanResult, plan_auto, plan_node_auto
-from .sizes import format_size, parse_size
+from .search import DoesNotFit, PlanResult, Remedy, fitting_budgets, plan_auto, plan_node_auto
+from .sizes import flag_size, format_size, parse_size
 from .gpt import gpt_model_spec
 from .spec import (RUNNABLE_STRATEGIES, STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement,
                    Strategy, UnitSpec)
@@ -37,10 +37,10 @@ from .validate import PlanError, validate, validate_ranks
 __all__ = [
     "COMM_QUEUES", "Collective", "GLOBAL_UNIT", "GradNorm", "NormReduce", "Recv", "Serve", "WORKSPACE_KINDS", "Wait",
     "Access", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
-    "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce",
+    "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce", "Remedy",
     "RUNNABLE_STRATEGIES", "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy",
     "SwapPlan", "TIERS",
-    "UnitSpec", "collective_seconds", "estimate", "format_ops", "format_size", "gpt_model_spec", "lower_bounds",
-    "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
+    "UnitSpec", "collective_seconds", "estimate", "fitting_budgets", "flag_size", "format_ops", "format_size",
+    "gpt_model_spec", "lower_bounds", "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
     "push_order", "validate", "validate_ranks",
 ]

@@ -315,8 +315,8 @@ class _Walk:
 class OutOfBudget(ValueError):
     """A tier's budget cannot hold what the steps need at some point; ``tier`` names it."""
 
-    def __init__(self, tier: str) -> None:
-        super().__init__(f"the {tier} budget is too small for this plan")
+    def __init__(self, tier: str, message: str | None = None) -> None:
+        super().__init__(message or f"the {tier} budget is too small for this plan")
         self.tier = tier
 
 
@@ -366,8 +366,8 @@ def effective_placement(placement: Placement, strategy: Strategy) -> Placement:
 def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
               policy: str = "belady") -> SwapPlan:
     """Plan one training step of one rank under a resolved placement (no ``auto``; see
-    ``search.plan_auto``). Raises ``ValueError`` naming the tier and the bytes it needs when
-    a budget is too small."""
+    ``search.plan_auto``). Raises ``OutOfBudget`` (a ``ValueError``) naming the tier and the bytes it
+    needs when a budget is too small."""
     if policy not in POLICIES:
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if not placement.is_resolved:
@@ -375,7 +375,7 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
     placement = effective_placement(placement, strategy)
     reserve = model.activation_bytes
     if reserve > budgets.device_bytes:
-        raise ValueError(f"device budget {format_size(budgets.device_bytes)} is smaller than the "
+        raise OutOfBudget("device", f"device budget {format_size(budgets.device_bytes)} is smaller than the "
                          f"{format_size(reserve)} that activations need; "
                          f"raise it or lower the batch size / sequence length")
     layout = build_layout(model, strategy)
@@ -383,8 +383,8 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
         return walk_steps(build_steps(model, strategy, placement, layout), layout, model=model, budgets=budgets,
                           placement=placement, strategy=strategy, policy=policy,
                           comm_groups=comm_groups(model, strategy))
-    except OutOfBudget as exc:
-        raise ValueError(_budget_message(exc.tier, model, budgets, placement, strategy)) from None
+    except OutOfBudget as exc:  # the same exception, now saying what the tier needs
+        raise OutOfBudget(exc.tier, _budget_message(exc.tier, model, budgets, placement, strategy)) from None
 
 
 def walk_steps(steps: list[Step], layout: dict[ShardId, ShardInfo], *, model: ModelSpec, budgets: Budgets,

@@ -7,6 +7,16 @@ candidate is skipped once a planned one keeps every state on a tier at least as
 fast (it could only move more bytes). The survivor with the smallest predicted
 step time wins. ``plan_node_auto`` does the same for an optimizer node's
 placement, over the node's tiers (host and NVMe) and its step time on its own.
+
+[Note: suggesting budgets]
+A step that does not fit is refused with budgets that do: every value the
+message suggests was planned with before it is suggested, so following the
+advice never ends in the same error. Each remedy names every limit it raises
+at once (device, host and NVMe), not one per try. ``fitting_budgets`` finds
+them: each tier raised to its lower bound first (enough in most cases), then
+a tier that still runs out (fragmentation, shards kept between uses) grown by
+``_GROWTH`` until the plan succeeds and bisected back down, all on values a
+flag can spell (``flag_size``), so the number printed is the number planned.
 """
 
 from __future__ import annotations
@@ -18,21 +28,23 @@ from dataclasses import dataclass
 from .cost import StepCost, estimate
 from .node import NODE_TIERS, node_lower_bounds, plan_node
 from .ops import SwapPlan
-from .planner import effective_placement, lower_bounds, plan_step
-from .sizes import format_size
+from .planner import OutOfBudget, effective_placement, lower_bounds, plan_step
+from .sizes import flag_size, format_size, parse_size
 from .spec import TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
-__all__ = ["DoesNotFit", "PlanResult", "plan_auto", "plan_node_auto"]
+__all__ = ["DoesNotFit", "PlanResult", "Remedy", "fitting_budgets", "plan_auto", "plan_node_auto"]
 
 _FIELDS = ("params", "optimizer", "grads")
 
 
 class DoesNotFit(ValueError):
-    """No placement fits the budgets. ``needs`` maps each remedy to the bytes it takes."""
+    """No placement fits the budgets. ``needs`` maps each remedy to the bytes it takes; ``remedies`` are
+    budgets that plan, verified ([Note: suggesting budgets])."""
 
-    def __init__(self, message: str, *, needs: dict[str, int]) -> None:
+    def __init__(self, message: str, *, needs: dict[str, int], remedies: tuple["Remedy", ...] = ()) -> None:
         super().__init__(message)
         self.needs = needs
+        self.remedies = tuple(remedies)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,7 +86,8 @@ def plan_auto(model: ModelSpec, *, budgets: Budgets, placement: Placement = Plac
                     bounds=lambda c: lower_bounds(model, placement=c, strategy=strategy),
                     plan=lambda c: plan_step(model, budgets=budgets, placement=c, strategy=strategy, policy=policy))
     if best is None:
-        raise _does_not_fit(model, budgets=budgets, placement=placement, strategy=strategy, errors=errors)
+        raise _does_not_fit(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy,
+                            errors=errors)
     return best
 
 
@@ -100,38 +113,135 @@ def _fastest(candidates: list[Placement], *, budgets: Budgets, profile: Hardware
     return best
 
 
-def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy,
+_GROWTH = 1.25
+"""A budget that ran out grows by this factor per try; the bisection after it finds the smallest that plans."""
+_MAX_PLANS = 40
+"""Plans one ``fitting_budgets`` may try: the lower bounds plan in most cases, a few growths in the rest."""
+
+
+def fitting_budgets(budgets: Budgets, *, bounds: dict[str, int], plan: Callable[[Budgets], SwapPlan],
+                    give_up: Callable[[Budgets], bool] = lambda b: False) -> Budgets | None:
+    """The smallest budgets at or above ``budgets`` with which ``plan`` succeeds, each a value a flag can
+    spell (``flag_size``), or ``None`` when none is found within ``_MAX_PLANS`` plans: every tier raised
+    to its lower bound (``bounds``), then a tier that still runs out grown geometrically and bisected
+    back to the smallest that plans ([Note: suggesting budgets]); ``give_up(b)``: stop growing once ``b``
+    is of no interest. Verified: the returned budgets planned."""
+    have = {t: budgets.of(t) for t in TIERS}
+    # An unlimited tier (None) stays unlimited; the others are raised to their bounds, as flags spell them.
+    start = {t: have[t] if have[t] is None or have[t] >= bounds[t] else parse_size(flag_size(bounds[t]))
+             for t in TIERS}
+    tries = 0
+
+    def plans(target: dict[str, int | None]) -> str | None:
+        """``None`` when ``target`` plans, else the tier that ran out (``""``: an error no budget cures)."""
+        nonlocal tries
+        tries += 1
+        try:
+            plan(as_budgets(target))
+        except OutOfBudget as exc:
+            return exc.tier
+        except ValueError:  # not a matter of budgets: no budgets plan it
+            return ""
+        return None
+
+    def as_budgets(target: dict[str, int | None]) -> Budgets:
+        return Budgets(device_bytes=target["device"], host_bytes=target["host"], nvme_bytes=target["nvme"])
+
+    target, failed = dict(start), {}
+    while (tier := plans(target)) is not None:
+        if tries >= _MAX_PLANS or not tier or target[tier] is None or give_up(as_budgets(target)):
+            return None
+        failed[tier] = target[tier]
+        target[tier] = parse_size(flag_size(max(int(target[tier] * _GROWTH), target[tier] + 1)))
+    for tier, low in failed.items():  # bisect each grown tier between its last failure and the success
+        high = target[tier]
+        while tries < _MAX_PLANS:
+            mid = parse_size(flag_size((low + high) // 2))
+            if mid <= low or mid >= high:
+                break
+            if plans({**target, tier: mid}) is None:
+                high = mid
+            else:
+                low = mid
+        target[tier] = high
+    return as_budgets(target)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Remedy:
+    """Budgets with which the step plans, found by ``fitting_budgets`` and planned with."""
+
+    budgets: Budgets
+    placement: Placement
+    """The placement it planned with (``plan_auto`` with these budgets finds it or a faster one)."""
+
+
+def _remedy(model: ModelSpec, group: list[Placement], *, budgets: Budgets, strategy: Strategy,
+            policy: str) -> Remedy | None:
+    """The most frugal of ``group``'s placements under raised budgets: least device memory first (the
+    scarcest), then host memory, then NVMe. Candidates are tried in the order of their lower bounds,
+    which no search goes below (on a tie, slower tiers first: they need less of the faster ones), and
+    a search stops once it cannot beat the best found."""
+    def key(b: Budgets) -> tuple[int, int, int]:
+        return b.device_bytes, b.host_bytes, b.nvme_bytes or 0
+
+    bounds = {c: lower_bounds(model, placement=c, strategy=strategy) for c in group}
+    floor = {c: key(Budgets(**{f"{t}_bytes": max(budgets.of(t) or 0, bounds[c][t]) for t in TIERS})) for c in group}
+    best: Remedy | None = None
+    for cand in sorted(group, key=lambda c: (floor[c], tuple(-TIERS.index(getattr(c, f)) for f in _FIELDS))):
+        if best is not None and floor[cand] >= key(best.budgets):
+            break
+        fits = fitting_budgets(budgets, bounds=bounds[cand],
+                               plan=lambda b, c=cand: plan_step(model, budgets=b, placement=c, strategy=strategy,
+                                                                policy=policy),
+                               give_up=lambda b: best is not None and key(b) >= key(best.budgets))
+        if fits is not None and (best is None or key(fits) < key(best.budgets)):
+            best = Remedy(budgets=fits, placement=cand)
+    return best
+
+
+def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy, policy: str,
                   errors: list[str]) -> DoesNotFit:
-    """The two remedies: enough host memory for the fastest host-only placement, or NVMe for
-    every state with the host memory that NVMe streaming needs."""
+    """The remedies, each verified by planning it ([Note: suggesting budgets]): the budgets that plan with
+    every state in memory, and those that plan with persistent state on NVMe."""
     candidates = _candidates(placement, strategy)
-    bounds = {c: lower_bounds(model, placement=c, strategy=strategy) for c in candidates}
-    device_ok = [c for c in candidates if bounds[c]["device"] <= budgets.device_bytes]
-    if not device_ok:
-        need = min(b["device"] for b in bounds.values())
-        return DoesNotFit(f"does not fit: needs at least {format_size(need)} of device memory "
-                          f"(budget {format_size(budgets.device_bytes)})", needs={"device_bytes": need})
-    in_memory = [c for c in device_ok if "nvme" not in (c.params, c.optimizer, c.grads)]
+    in_memory = [c for c in candidates if "nvme" not in (c.params, c.optimizer, c.grads)]
     # Gradients on NVMe alone save no memory between steps; the remedy is persistent state there.
-    on_nvme = [c for c in device_ok if "nvme" in (c.params, c.optimizer)]
+    on_nvme = [c for c in candidates if "nvme" in (c.params, c.optimizer)]
+    remedies = [r for group in (in_memory, on_nvme) if group
+                and (r := _remedy(model, group, budgets=budgets, strategy=strategy, policy=policy)) is not None]
     needs: dict[str, int] = {}
-    parts = []
-    if in_memory:
-        needs["host_bytes"] = min(bounds[c]["host"] for c in in_memory)
-        parts.append(f"{format_size(needs['host_bytes'])} of host memory")
-    if on_nvme:
-        best = min(on_nvme, key=lambda c: (bounds[c]["host"], bounds[c]["nvme"]))
-        needs["nvme_bytes"], needs["nvme_host_bytes"] = bounds[best]["nvme"], bounds[best]["host"]
-        parts.append(f"{format_size(needs['nvme_bytes'])} of NVMe (with {format_size(needs['nvme_host_bytes'])} "
-                     f"of host memory)")
-    if errors and needs.get("host_bytes", budgets.host_bytes + 1) <= budgets.host_bytes:
-        # Every tier's lower bound fits the fastest placements, yet no schedule did: say why the fastest
-        # failed (its tier, and that fragmentation or shards kept between uses need the room).
-        return DoesNotFit(f"does not fit: {errors[0]}", needs=needs)
-    message = "does not fit: needs at least " + " or ".join(parts)
-    if errors:
-        message += f" [closest attempt: {errors[-1]}]"
-    return DoesNotFit(message, needs=needs)
+    parts: list[str] = []
+    flags: list[str] = []
+    for r in remedies:
+        b = r.budgets
+        on_nvme = "nvme" in (r.placement.params, r.placement.optimizer)
+        # What the NVMe tier must hold: the planned value when it had to be raised, else the lower bound.
+        nvme = lower_bounds(model, placement=r.placement, strategy=strategy)["nvme"]
+        nvme = b.nvme_bytes if b.nvme_bytes is not None and b.nvme_bytes != budgets.nvme_bytes else nvme
+        raised = [(what, n, flag) for what, n, have, flag in (
+            ("device memory", b.device_bytes, budgets.device_bytes, f"--device-mem {flag_size(b.device_bytes)}"),
+            ("host memory", b.host_bytes, budgets.host_bytes, f"--host-mem {flag_size(b.host_bytes)}"),
+            ("NVMe", nvme, budgets.nvme_bytes, f"--nvme-dir on a disk with {flag_size(nvme)} free"))
+            if have is not None and n > have]
+        if b.device_bytes > budgets.device_bytes:
+            needs["device_bytes"] = min(needs.get("device_bytes", b.device_bytes), b.device_bytes)
+        if on_nvme:
+            needs["nvme_bytes"], needs["nvme_host_bytes"] = nvme, b.host_bytes
+        else:
+            needs["host_bytes"] = b.host_bytes
+        given = " ".join(flag for _, _, flag in raised)
+        if given in flags:  # the same advice as the other remedy
+            continue
+        flags.append(given)
+        parts.append(" and ".join(f"{format_size(n)} of {what}" for what, n, _ in raised)
+                     + (" with state on NVMe" if on_nvme and all(w != "NVMe" for w, _, _ in raised) else ""))
+    if not remedies:  # no bounded search found budgets: say why the fastest attempt failed
+        return DoesNotFit(f"does not fit: {errors[0] if errors else 'no placement plans'}", needs=needs)
+    nvme = "" if budgets.nvme_bytes is None else f", NVMe {format_size(budgets.nvme_bytes)}"
+    message = (f"does not fit: needs at least {' or '.join(parts)} (budgets: device {format_size(budgets.device_bytes)}, "
+               f"host {format_size(budgets.host_bytes)}{nvme}); it plans with {', or with '.join(flags)}")
+    return DoesNotFit(message, needs=needs, remedies=remedies)
 
 
 def plan_node_auto(model: ModelSpec, *, budgets: Budgets, num_workers: int, placement: Placement = Placement(),

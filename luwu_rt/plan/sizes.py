@@ -7,9 +7,10 @@ everywhere.
 
 from __future__ import annotations
 
+import math
 import re
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["flag_size", "format_size", "parse_size"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -46,3 +47,22 @@ def format_size(num_bytes: int | float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def flag_size(num_bytes: int) -> str:
+    """The shortest spelling ``parse_size`` reads as at least ``num_bytes``: three significant figures in
+    binary units, rounded up, no space (``3.3GiB``, ``733MiB``), as a flag's value in a suggestion."""
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    decimals = 0 if unit == "B" else max(0, 3 - len(str(int(value))))
+    step = 10**decimals
+    rounded = math.ceil(value * step - 1e-9) / step
+    text = f"{rounded:.{decimals}f}".rstrip("0").rstrip(".") if decimals else f"{rounded:.0f}"
+    out = f"{text}{unit}"
+    if parse_size(out) < num_bytes:  # float rounding: one step more
+        out = f"{(rounded + 1 / step):.{decimals}f}".rstrip("0").rstrip(".") + unit
+    assert parse_size(out) >= num_bytes, (num_bytes, out)
+    return out

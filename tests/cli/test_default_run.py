@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from luwu_rt.cli.main import main
-from luwu_rt.engine.config import OffloadConfig
+from luwu_rt.engine.budgets import DEMO_BUDGETS
 from luwu_rt.plan import format_size
 
 # The default run, shortened: the model, batch, sequence and budgets that decide the plan stay as they are.
@@ -44,7 +44,7 @@ def test_default_run_names_its_tiers_first_and_removes_its_scratch(tmp_path) -> 
     first = r.stderr.splitlines()[0]
     assert first.startswith("gpt-tiny: ") and "params and grads on device (" in first, first
     assert "device arena" in first and "of activations" in first, first
-    host = format_size(OffloadConfig().host_mem_bytes)
+    host = format_size(DEMO_BUDGETS[1])  # the demo's budget: `auto` for gpt-tiny built by name
     assert "optimizer state on nvme at ./luwu-scratch-" in first and f"(host budget {host} < optimizer state" in first
     scratch = first.split(" at ")[1].split()[0]
     assert not (tmp_path / scratch).exists() and _scratches(tmp_path) == []

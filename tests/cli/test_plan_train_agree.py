@@ -54,8 +54,8 @@ def test_with_no_flags_plan_answers_for_the_run_train_makes(tmp_path, capsys) ->
         p = engine.placement
         assert planned["model"] == engine.config.model
         assert planned["tokens_per_step"] == engine.model_spec.tokens_per_step
-        assert planned["budgets"]["device"] == engine.config.offload.device_mem_bytes
-        assert planned["budgets"]["host"] == engine.config.offload.host_mem_bytes
+        assert planned["budgets"]["device"] == engine.plan.budgets.device_bytes  # "auto", resolved alike
+        assert planned["budgets"]["host"] == engine.plan.budgets.host_bytes
         assert planned["activation_bytes"] == engine.model_spec.activation_bytes
         assert planned["placement"] == {"params": p.params, "optimizer": p.optimizer, "grads": p.grads}
         assert planned["peak_bytes"] == dict(engine.plan.peak_bytes)

@@ -34,3 +34,36 @@ def test_saves_are_named_and_a_resume_leaves_one_line_per_step(tmp_path) -> None
     keys = [(row["step"], "val_loss" in row) for row in after]
     assert keys == [(1, False), (2, False), (2, True), (3, False), (4, False), (4, True)]
     assert after[:3] == before[:3]  # the lines the checkpoint kept are left as they were
+
+
+def test_a_second_run_on_the_same_json_log_is_refused_naming_the_first(tmp_path) -> None:
+    """Issue 19 item 7: two runs given one --json-log interleaved their lines; the second is now refused
+    in one line naming the pid of the run that writes the log, before it builds or creates anything."""
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "log.jsonl"
+    first = subprocess.Popen([sys.executable, "-m", "luwu_rt", "train", "--steps", "100000", *SMALL,
+                              "--json-log", str(log)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and log.read_text().count("\n") >= 2):
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start logging"
+            time.sleep(0.2)
+        work = tmp_path / "second"
+        work.mkdir()
+        second = subprocess.run([sys.executable, "-m", "luwu_rt", "train", "--steps", "3", *SMALL,
+                                 "--json-log", str(log)], cwd=work, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.strip().splitlines() == [
+            f"luwu: error: [Errno 16] --json-log is in use by another run (pid {first.pid}); wait for it to end or "
+            f"give this run another file: '{log}'"], second.stderr
+        assert list(work.iterdir()) == []  # no scratch directory: refused before anything was built
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=120)
+    steps = [row["step"] for row in map(json.loads, log.read_text().splitlines()) if "loss" in row]
+    assert steps == list(range(1, len(steps) + 1))  # one writer: every step once, in order
+    os.stat(log)  # the first run's log stays

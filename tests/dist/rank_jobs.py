@@ -63,3 +63,21 @@ def train_hf(rank: int, overrides: dict, steps: int = 5) -> list[float]:
 
     with Engine(hf_gpt2(1), config(**overrides)) as engine:
         return [engine.train_step()["loss"] for _ in range(steps)]
+
+
+def gather_into_one_buffer(rank: int) -> list[float]:
+    """``TorchGroup.all_gather`` into consecutive pieces of one buffer (the path that gathers straight into
+    it), with every warning an error: torch 2.13 deprecated ``all_gather_into_tensor`` (issue 19 item 10)."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from luwu_rt.dist.collectives import TorchGroup
+
+    dist.init_process_group("gloo")
+    whole = torch.zeros(2 * dist.get_world_size())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TorchGroup(None).all_gather(list(whole.split(2)), torch.full((2,), float(rank + 1))).wait()
+    return whole.tolist()

@@ -141,8 +141,10 @@ def test_belady_never_loads_more_than_lru_with_equal_sizes(model, data):
     assert load_count(plans["belady"]) <= load_count(plans["lru"])
 
 
-def test_mixed_sizes_belady_against_lru_report(capsys):
-    """Furthest-next-use is only a heuristic with mixed sizes: record how it compares."""
+def test_mixed_sizes_belady_against_lru_report(record_property):
+    """Furthest-next-use is only a heuristic with mixed sizes: on these seeded cases it loads fewer bytes
+    than LRU on average, and how it compares is recorded as the test's properties (``--junitxml``), not
+    printed into the progress line."""
     import random
 
     rng = random.Random(0)
@@ -166,9 +168,12 @@ def test_mixed_sizes_belady_against_lru_report(capsys):
     assert rows, "no mixed-size case was feasible; widen the budgets"
     better = sum(r < 1 for r in rows)
     worse = sum(r > 1 for r in rows)
-    with capsys.disabled():
-        print(f"\nmixed sizes, {len(rows)} feasible cases: belady/lru loaded bytes min {min(rows):.3f} "
-              f"mean {sum(rows) / len(rows):.3f} max {max(rows):.3f}; belady fewer in {better}, more in {worse}")
+    mean = sum(rows) / len(rows)
+    for name, value in (("feasible_cases", len(rows)), ("belady_over_lru_min", min(rows)),
+                        ("belady_over_lru_mean", mean), ("belady_over_lru_max", max(rows)),
+                        ("belady_fewer", better), ("belady_more", worse)):
+        record_property(name, value)
+    assert mean <= 1.0 and better >= worse, (mean, better, worse)
 
 
 def test_budget_smaller_than_one_unit_is_a_clear_error():
