@@ -46,8 +46,8 @@ from .ops import (Collective, Compute, Free, GradNorm, Load, NormReduce, Op, Opt
 from .sequence import group_members
 from .spec import TIERS, HardwareProfile
 
-__all__ = ["Disturbance", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds", "estimate", "op_seconds",
-           "op_times", "step_cost", "step_seconds", "timelines"]
+__all__ = ["Disturbance", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds", "couple", "estimate",
+           "op_seconds", "op_times", "step_cost", "step_seconds", "timelines"]
 
 _GB = 1e9
 _LINK = {"nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps", "h2d": "h2d_gbps", "d2h": "d2h_gbps"}
@@ -244,8 +244,8 @@ def _finish(start: float, work: float, windows: Sequence[tuple[float, float, flo
 class _Lane:
     """One simulated rank: its plan's ops, their times so far and its queues' state."""
 
-    def __init__(self, rank: int, plan: SwapPlan, costs: "_Costs", disturbance: Disturbance | None) -> None:
-        self.rank, self.plan, self.ops, self.costs = rank, plan, plan.ops, costs
+    def __init__(self, rank: int, plan: SwapPlan, seconds: list[float], disturbance: Disturbance | None) -> None:
+        self.rank, self.plan, self.ops, self.seconds = rank, plan, plan.ops, seconds
         n = len(plan.ops)
         self.start, self.end, self.done = [0.0] * n, [0.0] * n, [_UNTIMED] * n
         self.order: dict[str, list[int]] = {}  # queue -> its ops in plan order (first-use order of queues)
@@ -346,7 +346,7 @@ class _Play:
         if t0 == math.inf:  # a dependency never completes: neither does this op, which never runs
             lane.start[i] = lane.end[i] = lane.done[i] = math.inf
             return
-        seconds = lane.costs.seconds(op)
+        seconds = lane.seconds[i]
         before, after = lane.delays[i] if lane.delays is not None else (0.0, 0.0)
         start = t0 + before if before else t0
         windows = lane.rates.get(op.queue)
@@ -386,7 +386,7 @@ class _Play:
         work = {}  # each member's own part: its seconds, stretched through its own windows
         for rank, (j, _) in arrived.items():
             peer = self.lanes[rank]
-            seconds = peer.costs.seconds(peer.ops[j])
+            seconds = peer.seconds[j]
             windows = peer.rates.get(op.queue)
             work[rank] = seconds if windows is None else _finish(begin, seconds, windows) - begin
         end = max(begin + w for w in work.values())  # the slowest member's part holds everyone's
@@ -412,7 +412,12 @@ def timelines(plans: Sequence[SwapPlan], profile: HardwareProfile, *, synced: bo
     run as it does. ``disturbance``: chaos delays and faults; ``not_before[i]``: op ``i`` cannot end earlier
     (a transfer whose other side is simulated separately); ``node_shards``: optimizer node processes that
     share the workers' traffic ([Note: collective cost])."""
-    lanes = [_Lane(r, plan, _Costs(profile, plan, node_shards=node_shards), disturbance) for r, plan in enumerate(plans)]
+    seconds: dict[int, list[float]] = {}  # ranks running the same plan object share its op times
+    for plan in plans:
+        if id(plan) not in seconds:
+            costs = _Costs(profile, plan, node_shards=node_shards)
+            seconds[id(plan)] = [0.0 if op.queue == "mem" else costs.seconds(op) for op in plan.ops]
+    lanes = [_Lane(r, plan, seconds[id(plan)], disturbance) for r, plan in enumerate(plans)]
     _Play(lanes, synced=synced, not_before=not_before or {}).run()
     return tuple(lane.timeline() for lane in lanes)
 
@@ -435,8 +440,8 @@ def _node_shards(node: SwapPlan) -> int:
     return max((op.group_size for op in node.ops if isinstance(op, NormReduce) and op.group == "nodes"), default=1)
 
 
-def _couple(plan: SwapPlan, node: SwapPlan, profile: HardwareProfile,
-            disturbance: Disturbance | None = None) -> tuple[Timeline, Timeline]:
+def couple(plan: SwapPlan, node: SwapPlan, profile: HardwareProfile, *,
+           disturbance: Disturbance | None = None) -> tuple[Timeline, Timeline]:
     """[Note: worker and node together]
     Every worker runs the same plan, and every node shard the same one, so one of each stands for
     all. A node's Recv(u) cannot end before the workers' Push(u) ended, and a worker's Pull(u) cannot
@@ -472,7 +477,7 @@ def _couple(plan: SwapPlan, node: SwapPlan, profile: HardwareProfile,
 def _runs(plan: SwapPlan, profile: HardwareProfile, node: SwapPlan | None) -> tuple[Timeline, Timeline | None]:
     if node is None:
         return timelines([plan], profile)[0], None
-    return _couple(plan, node, profile)
+    return couple(plan, node, profile)
 
 
 def op_times(plan: SwapPlan, profile: HardwareProfile, *,
