@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
-from luwu_rt.plan import HardwareProfile, SwapPlan, op_seconds
+from luwu_rt.plan import HardwareProfile, SwapPlan, format_size, op_seconds
 from luwu_rt.plan.cost import Disturbance, Timeline, couple, step_cost, step_seconds, timelines
 from luwu_rt.testing.faults import Fault, disturbance
 from luwu_rt.testing.replay import replay
-from luwu_rt.testing.timeline import read_timeline
+from luwu_rt.testing.timeline import read_timeline, spans
 
 __all__ = ["RankResult", "SimResult", "simulate"]
 
@@ -129,9 +129,7 @@ class SimResult:
 
     def spans(self, rank: int = 0) -> list:
         """Rank ``rank``'s ops that ran, as ``luwu_rt.exec.Span`` (what ``luwu train --trace`` records)."""
-        from luwu_rt.testing.timeline import spans
-
-        return spans(self.ranks[rank])
+        return spans(self.ranks[rank].plan, self.ranks[rank].timeline)
 
     def write_trace(self, path) -> None:
         """Every simulated rank's timeline as Chrome trace JSON (Perfetto, chrome://tracing), in the format of
@@ -142,9 +140,7 @@ class SimResult:
 
     def summary(self) -> str:
         """One screen: step time, work and stalls by queue, bytes per tier, the critical path, faults."""
-        from luwu_rt.testing.timeline import summary
-
-        return summary(self)
+        return _summary(self)
 
 
 def _plans(plan: SwapPlan | Sequence[SwapPlan]) -> tuple[list[SwapPlan], bool]:
@@ -212,3 +208,56 @@ def _rank_result(rank: int, plan: SwapPlan, run: Timeline, disturb: Disturbance 
     return RankResult(rank=rank, plan=plan, timeline=run, delays_s=delays, step_s=step_seconds(run), busy_s=run.busy,
                       stall_s=stall_s, stalled_on=stalled_on, peak_bytes=peak, moved_bytes=run.io, failed=failed,
                       lost=lost, critical_path=path)
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _path_text(r: RankResult) -> str:
+    path = r.critical_path
+    if not path:
+        return "critical path: empty (no op completed)"
+    work: dict[str, float] = {}
+    for i in path:
+        q = r.plan.ops[i].queue
+        if q != "mem":
+            work[q] = work.get(q, 0.0) + r.timeline.end[i] - r.timeline.start[i]
+    span = r.timeline.done[path[-1]]
+    idle = max(span - sum(work.values()), 0.0)
+    parts = [f"{q} {_seconds(s)} ({s / span:.0%})" for q, s in sorted(work.items(), key=lambda kv: -kv[1]) if span]
+    if idle > 1e-12 and span:
+        parts.append(f"delays/waits {_seconds(idle)} ({idle / span:.0%})")
+    first, last = r.plan.ops[path[0]], r.plan.ops[path[-1]]
+    return (f"critical path: {len(path)} ops, op {path[0]} ({first.kind} on {first.queue}) to op {path[-1]} "
+            f"({last.kind} on {last.queue}): " + ", ".join(parts))
+
+
+def _summary(sim: SimResult) -> str:
+    """One screen: the step, work and stalls by queue, bytes per tier, the critical path, what failed."""
+    from luwu_rt.exec.trace import Span
+
+    r = sim.ranks[sim.rank]
+    who = (f"{len(sim.ranks)} ranks simulated, collectives synchronised; slowest rank {r.rank}" if sim.synced
+           else f"one rank simulated, its {r.plan.strategy.world_size - 1} peers symmetric"
+           if r.plan.strategy.world_size > 1 else "one rank")
+    chaos = (f"; chaos seed {sim.chaos_seed}, delays up to {_seconds(sim.chaos_max_delay_s)} per op"
+             if sim.chaos_seed is not None else "")
+    lines = [f"simulated step {_seconds(sim.step_s)} ({who}{chaos}), {len(r.plan.ops)} ops per rank", "",
+             f"{'queue':<13}{'busy':>11}{'stalled':>11}  waiting on"]
+    for q in sorted(r.busy_s, key=lambda q: -r.busy_s[q]):
+        on = ", ".join(f"{c} {_seconds(s)}" for c, s in sorted(r.stalled_on.get(q, {}).items(), key=lambda kv: -kv[1]))
+        lines.append(f"{q:<13}{_seconds(r.busy_s[q]):>11}{_seconds(r.stall_s.get(q, 0.0)):>11}  {on}")
+    lines += ["", f"{'tier':<9}{'peak':>11}{'read':>11}{'written':>11}"]
+    for tier, peak in r.peak_bytes.items():
+        io = r.moved_bytes[tier]
+        lines.append(f"{tier:<9}{format_size(peak):>11}{format_size(io['read']):>11}{format_size(io['write']):>11}")
+    lines += ["", _path_text(r)]
+    for rank in sim.ranks:
+        for i in rank.failed:
+            op = rank.plan.ops[i]
+            lines.append(f"rank {rank.rank}: op {i} ({Span.of(op, start=0.0, end=0.0).name} on {op.queue}) failed")
+        if rank.lost:
+            lines.append(f"rank {rank.rank}: {len(rank.lost)} op(s) never ran, depending on a failed op "
+                         f"(first: op {rank.lost[0]})")
+    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Reading a simulated step: stalls by queue, the critical path, trace spans and the one-screen summary.
+"""Reading a simulated step: stalls by queue, the critical path and trace spans.
 
 Every figure is recomputed from the times ``timelines`` produced, with the same
 arithmetic (an op becomes ready at the latest completion of its dependencies,
@@ -9,15 +9,12 @@ found equal here is equal there, to the bit.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from luwu_rt.plan import SwapPlan, format_size
+from luwu_rt.plan import SwapPlan
 from luwu_rt.plan.cost import Timeline
 
-if TYPE_CHECKING:
-    from luwu_rt.testing.simulate import RankResult, SimResult
-
-__all__ = ["read_timeline", "spans", "summary"]
+__all__ = ["read_timeline", "spans"]
 
 _INF = math.inf
 _NO_DELAY = (0.0, 0.0)
@@ -97,12 +94,12 @@ def _critical_path(plan: SwapPlan, run: Timeline, walked: dict) -> tuple[int, ..
     return tuple(reversed(path))
 
 
-def spans(result: "RankResult") -> list:
-    """The rank's ops that ran, as the executor's ``Span`` (a failed op's name says so)."""
+def spans(plan: SwapPlan, run: Timeline) -> list:
+    """The ops of ``plan`` that ran, as the executor's ``Span`` (a failed op's name says so)."""
     from luwu_rt.exec.trace import Span
 
-    run, out = result.timeline, []
-    for i, op in enumerate(result.plan.ops):
+    out = []
+    for i, op in enumerate(plan.ops):
         if run.start[i] == _INF:
             continue
         span = Span.of(op, start=run.start[i], end=run.end[i])
@@ -110,56 +107,3 @@ def spans(result: "RankResult") -> list:
             span = Span(f"{span.name} FAILED", span.queue, span.start_s, span.end_s, span.nbytes, span.tier)
         out.append(span)
     return out
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
-def _path_text(r: "RankResult") -> str:
-    path = r.critical_path
-    if not path:
-        return "critical path: empty (no op completed)"
-    work: dict[str, float] = {}
-    for i in path:
-        q = r.plan.ops[i].queue
-        if q != "mem":
-            work[q] = work.get(q, 0.0) + r.timeline.end[i] - r.timeline.start[i]
-    span = r.timeline.done[path[-1]]
-    idle = max(span - sum(work.values()), 0.0)
-    parts = [f"{q} {_seconds(s)} ({s / span:.0%})" for q, s in sorted(work.items(), key=lambda kv: -kv[1]) if span]
-    if idle > 1e-12 and span:
-        parts.append(f"delays/waits {_seconds(idle)} ({idle / span:.0%})")
-    first, last = r.plan.ops[path[0]], r.plan.ops[path[-1]]
-    return (f"critical path: {len(path)} ops, op {path[0]} ({first.kind} on {first.queue}) to op {path[-1]} "
-            f"({last.kind} on {last.queue}): " + ", ".join(parts))
-
-
-def summary(sim: "SimResult") -> str:
-    """One screen: the step, work and stalls by queue, bytes per tier, the critical path, what failed."""
-    from luwu_rt.exec.trace import Span
-
-    r = sim.ranks[sim.rank]
-    who = (f"{len(sim.ranks)} ranks simulated, collectives synchronised; slowest rank {r.rank}" if sim.synced
-           else f"one rank simulated, its {r.plan.strategy.world_size - 1} peers symmetric"
-           if r.plan.strategy.world_size > 1 else "one rank")
-    chaos = (f"; chaos seed {sim.chaos_seed}, delays up to {_seconds(sim.chaos_max_delay_s)} per op"
-             if sim.chaos_seed is not None else "")
-    lines = [f"simulated step {_seconds(sim.step_s)} ({who}{chaos}), {len(r.plan.ops)} ops per rank", "",
-             f"{'queue':<13}{'busy':>11}{'stalled':>11}  waiting on"]
-    for q in sorted(r.busy_s, key=lambda q: -r.busy_s[q]):
-        on = ", ".join(f"{c} {_seconds(s)}" for c, s in sorted(r.stalled_on.get(q, {}).items(), key=lambda kv: -kv[1]))
-        lines.append(f"{q:<13}{_seconds(r.busy_s[q]):>11}{_seconds(r.stall_s.get(q, 0.0)):>11}  {on}")
-    lines += ["", f"{'tier':<9}{'peak':>11}{'read':>11}{'written':>11}"]
-    for tier, peak in r.peak_bytes.items():
-        io = r.moved_bytes[tier]
-        lines.append(f"{tier:<9}{format_size(peak):>11}{format_size(io['read']):>11}{format_size(io['write']):>11}")
-    lines += ["", _path_text(r)]
-    for rank in sim.ranks:
-        for i in rank.failed:
-            op = rank.plan.ops[i]
-            lines.append(f"rank {rank.rank}: op {i} ({Span.of(op, start=0.0, end=0.0).name} on {op.queue}) failed")
-        if rank.lost:
-            lines.append(f"rank {rank.rank}: {len(rank.lost)} op(s) never ran, depending on a failed op "
-                         f"(first: op {rank.lost[0]})")
-    return "\n".join(lines)
