@@ -215,6 +215,8 @@ class Disturbance:
     ``rate`` times its speed (0: the rank is stalled)."""
     failing: frozenset[tuple[int, int]] = frozenset()
     """(rank, op index) whose work fails: it never completes, nor does anything that depends on it."""
+    hold_s: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    """(rank, op index) -> the earliest its work may start (an op held back)."""
 
 
 SYNCED_GROUPS = ("world", "shard", "replica")
@@ -260,6 +262,7 @@ class _Lane:
         self.delays = d.delays_s.get(rank) if d is not None else None
         self.rates = {q: w for (r, q), w in d.rates.items() if r == rank and w} if d is not None else {}
         self.failing = {i for r, i in d.failing if r == rank} if d is not None else set()
+        self.hold = {i: t for (r, i), t in d.hold_s.items() if r == rank} if d is not None else {}
         assert self.delays is None or len(self.delays) == n
 
     def timeline(self) -> Timeline:
@@ -349,6 +352,8 @@ class _Play:
         seconds = lane.seconds[i]
         before, after = lane.delays[i] if lane.delays is not None else (0.0, 0.0)
         start = t0 + before if before else t0
+        if lane.hold and i in lane.hold:
+            start = max(start, lane.hold[i])
         windows = lane.rates.get(op.queue)
         end = start + seconds if windows is None else _finish(start, seconds, windows)
         bound = self.not_before.get(i)
@@ -378,7 +383,7 @@ class _Play:
         before = lane.delays[i][0] if lane.delays is not None else 0.0
         key = (op.queue, self.seq[lane.rank][i], members)
         arrived = self.pending.setdefault(key, {})
-        arrived[lane.rank] = (i, t0 + before)
+        arrived[lane.rank] = (i, max(t0 + before, lane.hold.get(i, 0.0)))
         if len(arrived) < len(members):
             return False
         del self.pending[key]

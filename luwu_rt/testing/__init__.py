@@ -14,14 +14,14 @@ A stable, public API (docs/testing-swap-schedules.md walks through it):
   or a failed op and every op that depends on it; never a wrong read.
 * Policies (``Policy``, ``Belady``, ``LRU``): the planner's eviction and prefetch choices as plug-ins; a policy
   of one's own plans, validates and simulates like the built-ins.
-* Helpers for a test suite: ``plan_for``, ``assert_valid``, ``assert_faster``.
+* Helpers for a test suite: ``plan_for``, ``hand_plan`` (ops built by hand), ``assert_valid``, ``assert_faster``.
 """
 
 from luwu_rt.plan.policy import LRU, Belady, Policy, PolicyView
 from luwu_rt.testing.faults import Fault, ShardIOError, SlowTier, StallRank
-from luwu_rt.testing.helpers import assert_faster, assert_valid, plan_for
+from luwu_rt.testing.helpers import assert_faster, assert_valid, hand_plan, plan_for
 from luwu_rt.testing.replay import RaceError
 from luwu_rt.testing.simulate import RankResult, SimResult, simulate
 
 __all__ = ["Belady", "Fault", "LRU", "Policy", "PolicyView", "RaceError", "RankResult", "ShardIOError", "SimResult",
-           "SlowTier", "StallRank", "assert_faster", "assert_valid", "plan_for", "simulate"]
+           "SlowTier", "StallRank", "assert_faster", "assert_valid", "hand_plan", "plan_for", "simulate"]

@@ -16,10 +16,22 @@ plan's dependencies make of it is the result:
   preempted host): none of its queues makes progress, and, when every rank is
   simulated, its peers wait for it in their collectives.
 
+[Note: simulated chaos]
 Chaos draws the executor's own delays (``LUWU_CHAOS_SEED``, exec/chaos.py: one
 generator per queue and rank, a delay before and after every op), scaled from
-its few milliseconds to the plan's time scale: by default up to the longest
-op's duration, so that any order the dependencies allow can come out.
+its few milliseconds to the plan's time scale (by default up to the longest
+op's duration). Random delays alone find a missing dependency only by luck: a
+reader with a chain of three delayed ops before it overtakes a writer with one
+about once in 24 seeds. So each seed also holds one op back until every op
+that does not depend on it (by a dependency or its queue's order) has
+finished: the op at ``seed`` modulo the number of ops that take time, counted
+over the ranks in plan order. Every op that the plan forgot to order after the
+held one then runs before it, and a read of what it writes, an overwrite of
+what it reads or a reuse of bytes it frees too early shows as a race
+([Note: races in virtual time] in replay.py). Seeds ``0 .. n-1`` hold each op
+once: together they find every pair of conflicting ops that nothing orders,
+which is what ``validate`` proves absent from the dependency graph alone. The
+step time under chaos is no prediction; ``simulate`` without a seed gives that.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from luwu_rt.plan import Load, ShardId, Store, SwapPlan
 from luwu_rt.plan.cost import Disturbance
 from luwu_rt.plan.spec import TIERS
 
-__all__ = ["Fault", "ShardIOError", "SlowTier", "StallRank", "disturbance"]
+__all__ = ["Fault", "ShardIOError", "SlowTier", "StallRank", "disturbance", "held_op"]
 
 _TIER_QUEUES = {"device": ("h2d", "d2h"), "host": ("nvme_read", "nvme_write", "h2d", "d2h"),
                 "nvme": ("nvme_read", "nvme_write")}
@@ -120,9 +132,21 @@ def _merge(windows: list[tuple[float, float, float]]) -> tuple[tuple[float, floa
     return tuple(out)
 
 
+def held_op(plans: Sequence[SwapPlan], seed: int) -> tuple[int, int] | None:
+    """(rank, op) that chaos seed ``seed`` holds back ([Note: simulated chaos]); None when no op takes time."""
+    counts = [sum(op.queue != "mem" for op in p.ops) for p in plans]
+    k = seed % sum(counts) if sum(counts) else None
+    for rank, (plan, count) in enumerate(zip(plans, counts)):
+        if k is not None and k < count:
+            return rank, [i for i, op in enumerate(plan.ops) if op.queue != "mem"][k]
+        k = None if k is None else k - count
+    return None
+
+
 def disturbance(plans: Sequence[SwapPlan], *, faults: Sequence[Fault], chaos_seed: int | None,
                 chaos_max_delay_s: float) -> Disturbance | None:
-    """The ``Disturbance`` that ``faults`` and chaos make for ``plans`` (``plans[r]``: rank ``r``'s)."""
+    """The ``Disturbance`` that ``faults`` and chaos's delays make for ``plans`` (``plans[r]``: rank ``r``'s);
+    the op chaos holds back (``held_op``) is added once the run without it says until when."""
     ranks = range(len(plans))
     windows: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
     failing: set[tuple[int, int]] = set()

@@ -15,6 +15,7 @@ faults both give ``estimate``'s step time exactly: they share its simulation
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -22,7 +23,7 @@ from typing import Mapping, Sequence
 
 from luwu_rt.plan import HardwareProfile, SwapPlan, format_size, op_seconds
 from luwu_rt.plan.cost import Disturbance, Timeline, couple, step_cost, step_seconds, timelines
-from luwu_rt.testing.faults import Fault, disturbance
+from luwu_rt.testing.faults import Fault, disturbance, held_op
 from luwu_rt.testing.replay import replay
 from luwu_rt.testing.timeline import read_timeline, spans
 
@@ -170,7 +171,9 @@ def simulate(plan: SwapPlan | Sequence[SwapPlan], profile: HardwareProfile = Har
 
     ``plan``: one plan, its peers taken as symmetric, or one plan per rank ([Note: simulating ranks]).
     ``chaos_seed``: random delays before and after every op, the executor's chaos draws in virtual time,
-    of up to ``chaos_max_delay_s`` (default: the longest op). ``faults``: ``SlowTier``, ``ShardIOError``,
+    of up to ``chaos_max_delay_s`` (default: the longest op), and one op held back until all that does
+    not depend on it has finished ([Note: simulated chaos]): seeds ``0 .. n-1`` hold each of the ``n`` ops
+    that take time once, and together find every missing dependency. ``faults``: ``SlowTier``, ``ShardIOError``,
     ``StallRank`` ([Note: simulated faults]). ``node``: the optimizer node's plan for a worker of strategy
     ``node``, simulated beside it as ``estimate(..., node=)`` does (one plan only).
 
@@ -186,11 +189,12 @@ def simulate(plan: SwapPlan | Sequence[SwapPlan], profile: HardwareProfile = Har
     if chaos_seed is not None:
         max_delay = chaos_max_delay_s if chaos_max_delay_s is not None else _default_max_delay(plans, profile)
     disturb = disturbance(plans, faults=list(faults or ()), chaos_seed=chaos_seed, chaos_max_delay_s=max_delay)
-    if node is None:
-        runs, node_run = timelines(plans, profile, synced=synced, disturbance=disturb), None
-    else:
-        worker, node_run = couple(plans[0], node, profile, disturbance=disturb)
-        runs = (worker,)
+    runs, node_run = _run(plans, profile, synced=synced, disturb=disturb, node=node)
+    victim = held_op(plans, chaos_seed) if chaos_seed is not None else None
+    if victim is not None:  # held until everything that does not wait for it has finished
+        finished = max((t for run in runs for t in run.done if t != _INF), default=0.0)
+        disturb = dataclasses.replace(disturb, hold_s={victim: 2 * finished + 1e-9})
+        runs, node_run = _run(plans, profile, synced=synced, disturb=disturb, node=node)
     ranks = tuple(_rank_result(r, plans[r], runs[r], disturb) for r in range(len(plans)))
     step_s = max(r.step_s for r in ranks)
     if node_run is not None:  # the node's busiest queue bounds the step too, as in estimate
@@ -199,12 +203,22 @@ def simulate(plan: SwapPlan | Sequence[SwapPlan], profile: HardwareProfile = Har
                      chaos_max_delay_s=max_delay)
 
 
+def _run(plans: list[SwapPlan], profile: HardwareProfile, *, synced: bool, disturb: Disturbance | None,
+         node: SwapPlan | None) -> tuple[tuple[Timeline, ...], Timeline | None]:
+    if node is None:
+        return timelines(plans, profile, synced=synced, disturbance=disturb), None
+    worker, node_run = couple(plans[0], node, profile, disturbance=disturb)
+    return (worker,), node_run
+
+
 def _rank_result(rank: int, plan: SwapPlan, run: Timeline, disturb: Disturbance | None) -> RankResult:
     delays = disturb.delays_s.get(rank) if disturb is not None else None
     peak = replay(plan, run, rank=rank).peak_bytes  # raises RaceError first
-    failed = tuple(i for i in range(len(plan.ops)) if run.done[i] == _INF and run.start[i] != _INF)
+    failing = disturb.failing if disturb is not None else frozenset()
+    failed = tuple(i for i in range(len(plan.ops)) if (rank, i) in failing and run.start[i] != _INF)
     lost = tuple(i for i in range(len(plan.ops)) if run.start[i] == _INF)
-    stall_s, stalled_on, path = read_timeline(plan, run, delays)
+    held = [i for r, i in disturb.hold_s if r == rank] if disturb is not None else []
+    stall_s, stalled_on, path = read_timeline(plan, run, delays, held=held)
     return RankResult(rank=rank, plan=plan, timeline=run, delays_s=delays, step_s=step_seconds(run), busy_s=run.busy,
                       stall_s=stall_s, stalled_on=stalled_on, peak_bytes=peak, moved_bytes=run.io, failed=failed,
                       lost=lost, critical_path=path)

@@ -9,7 +9,7 @@ found equal here is equal there, to the bit.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Collection, Sequence
 
 from luwu_rt.plan import SwapPlan
 from luwu_rt.plan.cost import Timeline
@@ -53,10 +53,10 @@ def _walk(plan: SwapPlan, run: Timeline, delays: Sequence[tuple[float, float]] |
         previous[op.queue] = i
 
 
-def read_timeline(plan: SwapPlan, run: Timeline, delays: Sequence[tuple[float, float]] | None
-                  ) -> tuple[dict[str, float], dict[str, dict[str, float]], tuple[int, ...]]:
-    """Seconds each queue sat idle waiting (for a dependency, or for its peers in a collective), what it
-    waited for, and the critical path."""
+def read_timeline(plan: SwapPlan, run: Timeline, delays: Sequence[tuple[float, float]] | None, *,
+                  held: Collection[int] = ()) -> tuple[dict[str, float], dict[str, dict[str, float]], tuple[int, ...]]:
+    """Seconds each queue sat idle waiting (for a dependency, for its peers in a collective, or held back by
+    chaos: the ops in ``held``), what it waited for, and the critical path."""
     stall = {q: 0.0 for q in dict.fromkeys(op.queue for op in plan.ops) if q != "mem"}
     on: dict[str, dict[str, float]] = {}
     walked = {}
@@ -65,7 +65,7 @@ def read_timeline(plan: SwapPlan, run: Timeline, delays: Sequence[tuple[float, f
         q = plan.ops[i].queue
         waits = [(ready - at, _cause(plan, run, last))] if ready > at else []
         if run.start[i] > issued:
-            waits.append((run.start[i] - issued, "peers"))
+            waits.append((run.start[i] - issued, "held by chaos" if i in held else "peers"))
         for seconds, cause in waits:
             stall[q] += seconds
             on.setdefault(q, {})[cause] = on.get(q, {}).get(cause, 0.0) + seconds
@@ -75,7 +75,7 @@ def read_timeline(plan: SwapPlan, run: Timeline, delays: Sequence[tuple[float, f
 def _critical_path(plan: SwapPlan, run: Timeline, walked: dict) -> tuple[int, ...]:
     """Ops from the step's start to its last completion, each starting when the one before it completed:
     a dependency, or the op before it on its queue (a wait for peers ends the walk: the path goes on on
-    another rank)."""
+    another rank; so does an op chaos held back)."""
     finished = [i for i in range(len(plan.ops)) if run.done[i] != _INF]
     if not finished:
         return ()
