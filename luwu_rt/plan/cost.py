@@ -243,6 +243,12 @@ def _finish(start: float, work: float, windows: Sequence[tuple[float, float, flo
     return t + left
 
 
+def _work(start: float, seconds: float, end: float) -> float:
+    """Busy time of an op of ``seconds`` of work that ran from ``start`` to ``end``: its seconds, unless a
+    window of changed speed stretched it (then all of it, to the bit as the plain sum where none did)."""
+    return seconds if end == start + seconds else end - start
+
+
 class _Lane:
     """One simulated rank: its plan's ops, their times so far and its queues' state."""
 
@@ -356,10 +362,11 @@ class _Play:
             start = max(start, lane.hold[i])
         windows = lane.rates.get(op.queue)
         end = start + seconds if windows is None else _finish(start, seconds, windows)
+        work = _work(start, seconds, end)
         bound = self.not_before.get(i)
-        if bound is not None:
+        if bound is not None:  # waiting for the other side of a transfer: not work
             end = max(end, bound)
-        self._record(lane, i, op, start, end, after, seconds if windows is None else end - start)
+        self._record(lane, i, op, start, end, after, work)
 
     def _record(self, lane: _Lane, i: int, op: Op, start: float, end: float, after: float, work: float) -> None:
         lane.start[i], lane.end[i] = start, end
@@ -393,7 +400,7 @@ class _Play:
             peer = self.lanes[rank]
             seconds = peer.seconds[j]
             windows = peer.rates.get(op.queue)
-            work[rank] = seconds if windows is None else _finish(begin, seconds, windows) - begin
+            work[rank] = seconds if windows is None else _work(begin, seconds, _finish(begin, seconds, windows))
         end = max(begin + w for w in work.values())  # the slowest member's part holds everyone's
         for rank, (j, _) in arrived.items():
             peer = self.lanes[rank]

@@ -170,17 +170,18 @@ class _Walk:
         return uses[i] if i < len(uses) else _NEVER
 
     def _victim(self, tier: str, pos: int, pinned: frozenset) -> ShardId | None:
-        """Clean copies first (evicting them costs no IO), dirty ones only when nothing else is left."""
-        candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=False)]
-        if not candidates:
-            candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=True)]
-        if not candidates:
-            return None
-        victim = self.policy.victim(candidates, _View(self, tier, pos))
-        if victim is not None and victim not in candidates:
-            raise ValueError(f"policy {self.policy.name!r} chose {victim} to evict from {tier}, which is not one "
-                             f"of the candidates it was offered")
-        return victim
+        """Clean copies first (evicting them costs no IO), dirty ones when there are none or the policy
+        declines every clean one ([Note: policies] in policy.py)."""
+        view = _View(self, tier, pos)
+        for dirty in (False, True):
+            candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=dirty)]
+            victim = self.policy.victim(candidates, view) if candidates else None
+            if victim is not None:
+                if victim not in candidates:
+                    raise ValueError(f"policy {self.policy.name!r} chose {victim} to evict from {tier}, which is "
+                                     f"not one of the candidates it was offered")
+                return victim
+        return None
 
     # -- memory --------------------------------------------------------------------------------
     def _alloc(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> tuple[int | None, tuple[int, ...]]:

@@ -8,9 +8,9 @@ choices to a ``Policy``, neither of which can make a plan wrong:
 
 * ``victim``: when a tier's arena has no room, which copy to drop. The planner
   offers only copies that may go (not a home copy, not one the current step
-  uses, clean ones before dirty ones, which it writes back first); the policy
-  picks one of them, or ``None`` to refuse, and the step then does not fit
-  (``OutOfBudget``).
+  uses): the clean ones first, whose eviction costs no IO; when there are none,
+  or the policy declines them all (``None``), the dirty ones, which it writes
+  back first. Declining those too means the step does not fit (``OutOfBudget``).
 * ``prefetch_depth``: how early a load toward the device may be issued. By
   default (``None``) a load depends only on its source copy and on the ``Free``
   of the bytes it fills, so an executor issues it as soon as the budget has
@@ -69,7 +69,8 @@ class Policy(ABC):
     @abstractmethod
     def victim(self, candidates: Sequence[ShardId], view: PolicyView) -> ShardId | None:
         """One of ``candidates`` (shards whose copy on ``view.tier`` may go, never empty) to evict, or
-        ``None`` to evict none of them: the step then does not fit."""
+        ``None`` to evict none of them: after the clean copies the planner offers the dirty ones, and after
+        those the step does not fit."""
 
     def prefetch_depth(self, shard: ShardId, view: PolicyView) -> int | None:
         """Steps before its reader that a load of ``shard`` into ``view.tier`` may run (the reader is the
