@@ -83,7 +83,8 @@ def _contestants(plan, profile: HardwareProfile, world: int, seed: int) -> dict:
         "simulate, 1 rank": (n, lambda: simulate(plan, profile).step_s),
         "simulate, 1 rank, chaos": (n, lambda: simulate(plan, profile, chaos_seed=seed).step_s),
         f"simulate, {world} ranks": (n * world, lambda: simulate([plan] * world, profile).step_s),
-        f"simulate, {world} ranks, chaos": (n * world, lambda: simulate([plan] * world, profile, chaos_seed=seed).step_s),
+        f"simulate, {world} ranks, chaos": (n * world,
+                                            lambda: simulate([plan] * world, profile, chaos_seed=seed).step_s),
     }
 
 
@@ -116,7 +117,8 @@ def _sweep(count: int) -> tuple[float, float, int]:
         strategy = Strategy(name=name, world_size=1 if name == "local" else 4, group_size=2 if name == "hsdp" else 0)
         placement = Placement(params=params, optimizer=optimizer, grads=grads)
         bounds = lower_bounds(model, placement=placement, strategy=strategy)
-        budgets = Budgets(device_bytes=int(bounds["device"] * factor) + 4096, host_bytes=int(bounds["host"] * factor) + 4096)
+        budgets = Budgets(device_bytes=int(bounds["device"] * factor) + 4096,
+                          host_bytes=int(bounds["host"] * factor) + 4096)
         try:
             plan = plan_step(model, budgets=budgets, placement=placement, strategy=strategy)
         except ValueError:

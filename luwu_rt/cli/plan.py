@@ -4,7 +4,9 @@ Plans one training step with the pure planner (no GPU, no IO) and prints the
 placement, the peak bytes per tier, the bytes moved per step and the predicted
 step time with its bottleneck; or the memory it would take to fit. Exit status 1
 when the model does not fit. For ``--strategy node`` it also plans the optimizer
-node's side and simulates both together.
+node's side and simulates both together. ``--simulate`` runs the plan in virtual
+time (``luwu_rt.testing.simulate``) and prints where each queue waited and the
+critical path; ``--chaos-seed`` and ``--trace`` go with it.
 
 It takes the flags of ``luwu train`` that a plan depends on, from the same table ([Note: one flag table] in
 flags.py), builds the same ``TrainConfig`` and plans with the engine's own ``ModelSpec``: it answers for the

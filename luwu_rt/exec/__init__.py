@@ -31,7 +31,11 @@ _WHERE = {
 }
 """Public name -> the module of this package that defines it."""
 
-__all__ = sorted(_WHERE)
+__all__ = ["AdamWHandler", "AdamWHyper", "Chaos", "DONE", "DeferredStream", "Executor", "Handle", "Handler",
+           "HostStream", "LocalOptimizer", "NormHandlers", "OptimizerPlace", "OptimizerStep", "Queues", "Span",
+           "StepFn", "StepOutcome", "StepResult", "Views", "WaitAll", "busy_by_queue", "state_dtypes", "typed_views",
+           "write_chrome_trace", "write_rank_traces"]
+assert sorted(__all__) == sorted(_WHERE)
 
 
 def __getattr__(name: str) -> object:

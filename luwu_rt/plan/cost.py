@@ -239,7 +239,7 @@ def _finish(start: float, work: float, windows: Sequence[tuple[float, float, flo
             if t + left / rate <= b:
                 return t + left / rate
             left -= (b - t) * rate
-        t = b  # a stalled rank completes nothing, not even an op of no work
+        t = b  # work left at the window's end; a stalled rank completes nothing in it, not even an op of no work
     return t + left
 
 
@@ -287,8 +287,10 @@ class _Play:
     ``SYNCED_GROUPS`` starts when the last member issued it and ends when its slowest member's part
     does (a stalled rank holds its peers); with one plan for all ranks, every peer is taken to run the
     same plan at the same times, so a collective starts when this rank issues it: the cost model's
-    assumption, and exact for ranks without chaos or faults. Without a ``Disturbance`` the arithmetic
-    is the same, operation for operation, as in the cost model's plain critical path."""
+    assumption, and exact for ranks without chaos or faults. An op that fails never completes, nor does
+    anything waiting for it (its queue goes on); an op held back starts no earlier than its hold.
+    Without a ``Disturbance`` none of that enters the arithmetic: the times are a plain critical path
+    through dependencies and queues, and equal, to the bit, whichever caller asks."""
 
     def __init__(self, lanes: list[_Lane], *, synced: bool, not_before: Mapping[int, float]) -> None:
         self.lanes, self.synced, self.not_before = lanes, synced, not_before

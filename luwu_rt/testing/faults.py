@@ -81,7 +81,8 @@ class SlowTier:
         if self.tier not in TIERS:
             raise ValueError(f"SlowTier: unknown tier {self.tier!r}; choose one of {', '.join(TIERS)}")
         if not self.factor > 0 or self.factor == math.inf:
-            raise ValueError(f"SlowTier: factor must be a positive number, got {self.factor}; stall a rank with StallRank")
+            raise ValueError(f"SlowTier: factor must be a positive number, got {self.factor}; stall a rank with "
+                             f"StallRank")
         _check_window("SlowTier", self.start_s, self.end_s)
         _check_rank("SlowTier", self.rank)
 

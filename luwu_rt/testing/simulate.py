@@ -42,7 +42,7 @@ class RankResult:
     """One simulated rank's step."""
 
     rank: int
-    plan: SwapPlan
+    plan: SwapPlan = field(repr=False)
     timeline: Timeline = field(repr=False)
     """Per op: ``start``, ``end`` of its work and ``done`` (``inf``: failed or lost), seconds from the step's start."""
     delays_s: Sequence[tuple[float, float]] | None = field(repr=False)
@@ -61,9 +61,9 @@ class RankResult:
     """tier -> {"read", "write"}: bytes the completed moves took out of and put into it."""
     failed: tuple[int, ...]
     """Ops whose work failed (``ShardIOError``)."""
-    lost: tuple[int, ...]
+    lost: tuple[int, ...] = field(repr=False)
     """Ops that never ran because something they depend on failed (or, across ranks, a peer's did)."""
-    critical_path: tuple[int, ...]
+    critical_path: tuple[int, ...] = field(repr=False)
     """Ops from the step's start to its last completion, each waiting on the one before (dependency or queue)."""
 
     def __post_init__(self) -> None:

@@ -56,7 +56,8 @@ def assert_agrees(plan, profile, **kw) -> None:
 def test_simulated_step_equals_estimate(model, strategy, params, optimizer, grads, profile, policy, factor):
     placement = Placement(params=params, optimizer=optimizer, grads=grads)
     bounds = lower_bounds(model, placement=placement, strategy=strategy)
-    budgets = Budgets(device_bytes=int(bounds["device"] * factor) + 8192, host_bytes=int(bounds["host"] * factor) + 8192)
+    budgets = Budgets(device_bytes=int(bounds["device"] * factor) + 8192,
+                      host_bytes=int(bounds["host"] * factor) + 8192)
     try:
         plan = plan_step(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy)
     except ValueError:

@@ -28,7 +28,8 @@ def test_a_slow_disk_for_the_whole_step_slows_its_moves_and_the_step(plan):
 
 def test_a_slowdown_after_the_step_changes_nothing_and_one_inside_delays_it(plan):
     plain = simulate(plan)
-    later = simulate(plan, faults=[SlowTier(tier="host", factor=10.0, start_s=2 * plain.step_s, end_s=3 * plain.step_s)])
+    after_it = SlowTier(tier="host", factor=10.0, start_s=2 * plain.step_s, end_s=3 * plain.step_s)
+    later = simulate(plan, faults=[after_it])
     assert later.ranks[0].timeline == plain.ranks[0].timeline
     inside = simulate(plan, faults=[SlowTier(tier="host", factor=10.0, start_s=0.0, end_s=plain.step_s / 2)])
     assert plain.step_s < inside.step_s < 10 * plain.step_s

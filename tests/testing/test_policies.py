@@ -42,7 +42,8 @@ def test_unknown_names_and_nameless_policies_are_refused():
 
 def test_keeping_the_embedding_loads_it_once_and_is_no_slower():
     model = small_gpt()
-    mine, belady = (tight_plan(model, NVME, factor=1.05, host_factor=1.5, policy=p) for p in (KeepEmbedding(), "belady"))
+    mine, belady = (tight_plan(model, NVME, factor=1.05, host_factor=1.5, policy=p)
+                    for p in (KeepEmbedding(), "belady"))
     assert mine.policy == "keep-embedding"
     assert_valid(mine)
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from luwu_rt.plan import (Access, Budgets, Compute, Free, Load, OptimStep, Placement, PlanError, ShardId, Strategy,
+from luwu_rt.plan import (Access, Compute, Free, Load, OptimStep, Placement, PlanError, ShardId, Strategy,
                           validate)
 from luwu_rt.testing import RaceError, hand_plan, simulate
 
@@ -56,7 +56,8 @@ def test_an_overwrite_while_another_op_reads_is_caught_without_chaos():
 
 def test_bytes_reused_before_their_free_are_caught():
     q = ShardId(1, "param", 0)
-    ops = [Load(deps=(), queue="h2d", nbytes=4 * MiB, inputs=(Access(P, "host", 0),), outputs=(Access(P, "device", 0),)),
+    ops = [Load(deps=(), queue="h2d", nbytes=4 * MiB, inputs=(Access(P, "host", 0),),
+                outputs=(Access(P, "device", 0),)),
            Compute(deps=(0,), queue="compute", name="F0", unit=0, flops=10**12, inputs=(Access(P, "device", 0),)),
            Free(deps=(0, 1), queue="mem", shard=P, tier="device", slot=0),
            # q goes into the same device bytes, but waits for nothing: it must wait for the free (op 2).
