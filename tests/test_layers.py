@@ -22,6 +22,9 @@ FLOORS: dict[str, int] = {
     "store": 2, "optim": 2, "ckpt": 2,
     "exec": 3,
     "dist": 4, "node": 4,
+    # the swap-schedule testing kit: simulates plans (plan) and writes their timelines with exec's trace
+    # writer; it imports nothing that runs a step, and nothing imports it but the CLI
+    "testing": 4,
     "engine": 5,
     "cli": 6,
     "__main__": 7,

@@ -23,13 +23,15 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOC_PAGES = [README.parent / "docs" / "testing-swap-schedules.md"]
+"""Pages whose every block runs, in order, in one scratch directory ([Note: doc pages that run])."""
 STEPS = int(os.environ.get("LUWU_README_STEPS", "2"))
 _FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```", re.S | re.M)
 
 
-def _blocks() -> list[tuple[str, str, str, int]]:
+def _blocks(page: Path = README) -> list[tuple[str, str, str, int]]:
     """``(language, markers, body, line)`` of every fenced block."""
-    text = README.read_text()
+    text = page.read_text()
     return [(m.group(1), m.group(2).strip(), m.group(3), text[: m.start()].count("\n") + 1)
             for m in _FENCE.finditer(text)]
 
@@ -116,3 +118,48 @@ def test_ci_runs_the_quickstarts_second_command_as_written():
     assert len(second) == 1, quickstart
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     assert second[0] in ci, f".ci/run does not run README's command 2 as written: {second[0]}"
+
+
+def _run_doc_block(page: Path, block: tuple[str, str, str, int], tmp_path: Path, index: int) -> None:
+    """[Note: doc pages that run]
+    A page that walks through building something (docs/testing-swap-schedules.md) runs as a reader follows
+    it: every block in order, in one scratch directory, so that a later block imports what an earlier one
+    wrote. ``python file=NAME`` writes NAME there (and imports it, so that it must at least load);
+    ``python pytest`` is a test file, run with pytest, whose tests must all pass; ``python run`` and
+    ``bash run`` run as in README."""
+    lang, markers, body, line = block
+    where = f"{page.name} line {line}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(README.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("WORLD_SIZE", None)
+    name = next((m.split("=", 1)[1] for m in markers.split() if m.startswith("file=")), None)
+    if name is not None:
+        (tmp_path / name).write_text(body)
+        command = [sys.executable, "-c", f"import {Path(name).stem}"]
+    elif "pytest" in markers.split():
+        (tmp_path / f"test_doc_block_{index}.py").write_text(body)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"test_doc_block_{index}.py"]
+    elif lang == "python":
+        (tmp_path / "example.py").write_text(body)
+        command = [sys.executable, "example.py"]
+    else:
+        for line_command in _commands(body):
+            run = subprocess.run(["bash", "-c", line_command], cwd=tmp_path, env=env, capture_output=True,
+                                 text=True, timeout=600)
+            assert run.returncode == 0, f"{where}: `{line_command}` failed:\n{run.stderr[-3000:]}"
+        return
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{where}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    if "pytest" in markers.split():
+        assert " passed" in run.stdout and "failed" not in run.stdout, f"{where}: {run.stdout[-2000:]}"
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=[p.stem for p in DOC_PAGES])
+def test_doc_page_runs_block_by_block(page, tmp_path):
+    blocks = [b for b in _blocks(page) if b[0] in ("python", "bash")]
+    unmarked = [line for _, markers, _, line in blocks
+                if not {"run", "pytest"} & set(markers.split()) and "file=" not in markers]
+    assert not unmarked, f"{page.name}: blocks at lines {unmarked} are neither run, pytest nor file=NAME"
+    assert len(blocks) >= 5, f"{page.name} lost its examples"
+    for index, block in enumerate(blocks):
+        _run_doc_block(page, block, tmp_path, index)
+

@@ -4,7 +4,9 @@ Plans one training step with the pure planner (no GPU, no IO) and prints the
 placement, the peak bytes per tier, the bytes moved per step and the predicted
 step time with its bottleneck; or the memory it would take to fit. Exit status 1
 when the model does not fit. For ``--strategy node`` it also plans the optimizer
-node's side and simulates both together.
+node's side and simulates both together. ``--simulate`` runs the plan in virtual
+time (``luwu_rt.testing.simulate``) and prints where each queue waited and the
+critical path; ``--chaos-seed`` and ``--trace`` go with it.
 
 It takes the flags of ``luwu train`` that a plan depends on, from the same table ([Note: one flag table] in
 flags.py), builds the same ``TrainConfig`` and plans with the engine's own ``ModelSpec``: it answers for the
@@ -67,12 +69,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         node.add_argument(f"--node-offload-{state}", default=None, choices=_NODE_TIER_CHOICES,
                           help=f"home tier of the node's {state} (default auto: fastest that fits)")
     parser.add_argument("--profile", default=None, metavar="JSON", help=_profile_help())
-    parser.add_argument("--policy", default="belady", choices=("belady", "lru"), help="eviction policy (default belady)")
+    parser.add_argument("--policy", default="belady", metavar="belady|lru|MODULE:CLASS",
+                        help="eviction and prefetch policy: a built-in, or a luwu_rt.plan.Policy subclass of your own "
+                             "(imported from MODULE, made with no arguments) (default belady)")
     parser.add_argument("--show-ops", type=int, default=0, metavar="N", help=_SHOW_OPS_HELP)
     parser.add_argument("--ops-from", default="0", metavar="I|backward",
                         help="first op --show-ops prints: an op index, or 'backward' for the ops after the last "
                              "forward compute (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    sim = parser.add_argument_group("simulation (luwu_rt.testing.simulate: the plan run in virtual time)")
+    sim.add_argument("--simulate", action="store_true",
+                     help="also run the plan on simulated tiers (the profile's bandwidths, the plan's budgets; no "
+                          "torch, no IO) and print work and stalls by queue, peak and moved bytes per tier and the "
+                          "critical path; a race between ops fails it, naming both")
+    sim.add_argument("--chaos-seed", type=int, default=None, metavar="S",
+                     help="with --simulate: random delays around every op and one op held back (seed S), which "
+                          "exposes a missing dependency; every rank of --world-size is simulated; the step time "
+                          "under chaos is no prediction")
+    sim.add_argument("--trace", default=None, metavar="FILE",
+                     help="with --simulate: write the simulated timeline as Chrome trace JSON, the format of "
+                          "`luwu train --trace` (Perfetto, chrome://tracing)")
 
 
 def _profile_help() -> str:
@@ -200,6 +216,10 @@ def run(args: argparse.Namespace) -> int:
     from luwu_rt.engine.workload import config_model_spec
     from luwu_rt.plan import DoesNotFit, Placement, estimate, plan_auto, validate
 
+    for flag, value in (("--chaos-seed", args.chaos_seed), ("--trace", args.trace)):
+        if value is not None and not args.simulate:
+            raise ValueError(f"{flag} applies to the simulated run: add --simulate")
+    policy = _policy(args.policy)
     config, chain = _train_config(args)
     off = config.offload
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -226,8 +246,8 @@ def run(args: argparse.Namespace) -> int:
             head["strategy"] = strategy.name
         else:
             result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
-                               policy=args.policy)
-        node = _plan_node(args, model, strategy, profile) if strategy.name == "node" else None
+                               policy=policy)
+        node = _plan_node(args, model, strategy, profile, policy) if strategy.name == "node" else None
     except DoesNotFit as exc:
         reason = str(exc)
         if not budgets.nvme_bytes and "nvme_bytes" in exc.needs:
@@ -244,13 +264,66 @@ def run(args: argparse.Namespace) -> int:
     if node is not None:
         validate(node.plan)
         report["node"] = _describe_node(node, cost, model=model, num_shards=args.node_shards or 1)
+    sim = _simulate(args, result.plan, profile, node=node_plan) if args.simulate else None
+    if sim is not None:
+        report["simulated"] = _describe_simulation(sim)
     print(json.dumps(report, indent=2) if args.json else _text(head, report))
     if args.show_ops and not args.json:
         print(_show_ops(result.plan, profile, node=node_plan, count=args.show_ops, origin=args.ops_from))
+    if sim is not None and not args.json:
+        print("\n" + sim.summary())
     return 0
 
 
-def _plan_node(args: argparse.Namespace, model, strategy, profile):
+def _policy(value: str):
+    """``--policy``: a built-in's name, or ``MODULE:CLASS`` naming a ``Policy`` subclass to import."""
+    import importlib
+
+    from luwu_rt.plan import POLICIES, Policy
+
+    if value in POLICIES:
+        return value
+    module, _, name = value.partition(":")
+    if not module or not name:
+        raise ValueError(f"--policy {value!r}: give one of {', '.join(POLICIES)}, or MODULE:CLASS of a "
+                         f"luwu_rt.plan.Policy of your own")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--policy {value}: cannot import {name} from {module} ({exc}); is {module} on PYTHONPATH?") \
+            from None
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise ValueError(f"--policy {value}: {name} is not a subclass of luwu_rt.plan.Policy")
+    return cls()
+
+
+def _simulate(args: argparse.Namespace, plan, profile, *, node):
+    """The plan run in virtual time ([Note: simulating ranks] in testing/simulate.py): one rank with symmetric
+    peers, or under chaos every rank of the world, so that collectives wait for the slowest."""
+    from luwu_rt.testing import simulate
+
+    world = plan.strategy.world_size
+    ranks = [plan] * world if args.chaos_seed is not None and node is None and world > 1 else plan
+    sim = simulate(ranks, profile, chaos_seed=args.chaos_seed, node=node)
+    if args.trace:
+        sim.write_trace(args.trace)
+    return sim
+
+
+def _describe_simulation(sim) -> dict:
+    return {
+        "step_s": sim.step_s,
+        "ranks_simulated": len(sim.ranks),
+        "chaos_seed": sim.chaos_seed,
+        "busy_s": dict(sim.busy_s),
+        "stall_s": dict(sim.stall_s),
+        "peak_bytes": dict(sim.peak_bytes),
+        "moved_bytes": {t: dict(v) for t, v in sim.moved_bytes.items()},
+        "critical_path_ops": len(sim.critical_path),
+    }
+
+
+def _plan_node(args: argparse.Namespace, model, strategy, profile, policy):
     from luwu_rt.plan import Budgets, Placement, parse_size, plan_node_auto
 
     shards = args.node_shards if args.node_shards is not None else 1
@@ -262,7 +335,7 @@ def _plan_node(args: argparse.Namespace, model, strategy, profile):
     placement = Placement(params=args.node_offload_params or "auto", optimizer=args.node_offload_optimizer or "auto",
                           grads=args.node_offload_grads or "auto")
     return plan_node_auto(model, budgets=budgets, placement=placement, num_workers=strategy.world_size,
-                          num_shards=shards, profile=profile, policy=args.policy)
+                          num_shards=shards, profile=profile, policy=policy)
 
 
 def _states(plan) -> dict:

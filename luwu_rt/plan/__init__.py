@@ -26,7 +26,8 @@ from .ops import (COMM_QUEUES, GLOBAL_UNIT, QUEUES, WORKSPACE_KINDS, Access, Col
                   GradNorm, Load, NormReduce, Op, OptimStep, Pull, Push, Recv, Reduce, Serve, ShardId, ShardInfo, Store,
                   SwapPlan, Wait, format_ops)
 from .node import node_lower_bounds, plan_node, push_order
-from .planner import POLICIES, lower_bounds, plan_step
+from .planner import lower_bounds, plan_step
+from .policy import LRU, POLICIES, Belady, Policy, PolicyView, as_policy
 from .search import DoesNotFit, PlanResult, Remedy, fitting_budgets, plan_auto, plan_node_auto
 from .sizes import flag_size, format_size, parse_size
 from .gpt import gpt_model_spec
@@ -36,7 +37,7 @@ from .validate import PlanError, validate, validate_ranks
 
 __all__ = [
     "COMM_QUEUES", "Collective", "GLOBAL_UNIT", "GradNorm", "NormReduce", "Recv", "Serve", "WORKSPACE_KINDS", "Wait",
-    "Access", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
+    "Access", "Belady", "LRU", "Policy", "PolicyView", "as_policy", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
     "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce", "Remedy",
     "RUNNABLE_STRATEGIES", "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy",
     "SwapPlan", "TIERS",

@@ -8,6 +8,9 @@ order: an executor issues them in that order), so the predicted step time is the
 critical path through dependencies and queue serialisation. The bottleneck is
 the queue busy for longest. A worker plan of strategy ``node`` can be simulated
 together with the optimizer node's plan ([Note: worker and node together]).
+The one simulation behind all of it (``timelines``, [Note: one model of time])
+also runs every rank of a plan, with chaos delays and faults, for
+``luwu_rt.testing.simulate``: with neither, it gives ``estimate``'s times exactly.
 
 [Note: collective cost]
 The alpha-beta model: a message step costs a latency alpha plus its bytes over
@@ -36,13 +39,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 from .ops import (Collective, Compute, Free, GradNorm, Load, NormReduce, Op, OptimStep, Pull, Push, Recv, Serve, Store,
                   SwapPlan, Wait)
+from .sequence import group_members
 from .spec import TIERS, HardwareProfile
 
-__all__ = ["StepCost", "collective_seconds", "estimate", "op_seconds", "op_times"]
+__all__ = ["Disturbance", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds", "couple", "estimate",
+           "op_seconds", "op_times", "step_cost", "step_seconds", "timelines"]
 
 _GB = 1e9
 _LINK = {"nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps", "h2d": "h2d_gbps", "d2h": "d2h_gbps"}
@@ -179,34 +184,263 @@ def op_seconds(op: Op, profile: HardwareProfile, *, plan: SwapPlan | None = None
     return _Costs(profile, plan).seconds(op)
 
 
-class _Run(NamedTuple):
-    times: tuple[tuple[float, float], ...]
+class Timeline(NamedTuple):
+    """One rank's simulated step ([Note: one model of time]): per op of its plan, when its work starts and
+    ends, and when it completes (its event: after the work and any delay after it; ``inf`` for an op that
+    failed or never ran)."""
+
+    start: list[float]
+    end: list[float]
+    done: list[float]
     busy: dict[str, float]
+    """Seconds of work per queue (delays around ops not counted; a slowed or stalled op's whole span)."""
     io: dict[str, dict[str, int]]
+    """tier -> {"read", "write"} bytes moved by the moves that completed."""
+
+    @property
+    def times(self) -> tuple[tuple[float, float], ...]:
+        """``(start_s, end_s)`` of every op."""
+        return tuple(zip(self.start, self.end))
 
 
-def _simulate(plan: SwapPlan, costs: _Costs, *, not_before: Mapping[int, float]) -> _Run:
-    """Start and end of every op; ``not_before[i]``: op ``i`` cannot end earlier (a transfer whose other
-    side is simulated separately)."""
-    times: list[tuple[float, float]] = []
-    queue_free: dict[str, float] = {}
-    busy: dict[str, float] = {}
-    io = {t: {"read": 0, "write": 0} for t in TIERS}
-    for i, op in enumerate(plan.ops):
-        ready = max((times[d][1] for d in op.deps), default=0.0)
-        if op.queue == "mem":
-            times.append((ready, ready))  # bookkeeping only: never waits for a queue
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Disturbance:
+    """What makes a simulated step differ from the plan's prediction: chaos delays and faults, in
+    virtual time (``luwu_rt.testing.simulate`` builds these)."""
+
+    delays_s: Mapping[int, Sequence[tuple[float, float]]] = field(default_factory=dict)
+    """rank -> per op of its plan, seconds its queue idles before and after the op's work (chaos)."""
+    rates: Mapping[tuple[int, str], Sequence[tuple[float, float, float]]] = field(default_factory=dict)
+    """(rank, queue) -> disjoint windows ``(start_s, end_s, rate)``, sorted, in which that queue works at
+    ``rate`` times its speed (0: the rank is stalled)."""
+    failing: frozenset[tuple[int, int]] = frozenset()
+    """(rank, op index) whose work fails: it never completes, nor does anything that depends on it."""
+    hold_s: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    """(rank, op index) -> the earliest its work may start (an op held back)."""
+
+
+SYNCED_GROUPS = ("world", "shard", "replica")
+"""Groups whose collectives, when every rank is simulated, start once the last member issued them; a
+worker's transfers to an optimizer node (``node``) are not held by other workers."""
+_UNTIMED = -1.0
+
+
+def _finish(start: float, work: float, windows: Sequence[tuple[float, float, float]]) -> float:
+    """When ``work`` seconds of work started at ``start`` end, through windows of changed speed."""
+    t, left = start, work
+    for a, b, rate in windows:
+        if b <= t:
             continue
-        seconds = costs.seconds(op)
-        start = max(ready, queue_free.get(op.queue, 0.0))
-        end = max(start + seconds, not_before.get(i, 0.0))
-        times.append((start, end))
-        queue_free[op.queue] = end
-        busy[op.queue] = busy.get(op.queue, 0.0) + seconds
+        if a > t:
+            if t + left <= a:
+                return t + left
+            left, t = left - (a - t), a
+        if rate > 0.0:
+            if t + left / rate <= b:
+                return t + left / rate
+            left -= (b - t) * rate
+        t = b  # work left at the window's end; a stalled rank completes nothing in it, not even an op of no work
+    return t + left
+
+
+def _work(start: float, seconds: float, end: float) -> float:
+    """Busy time of an op of ``seconds`` of work that ran from ``start`` to ``end``: its seconds, unless a
+    window of changed speed stretched it (then all of it, to the bit as the plain sum where none did)."""
+    return seconds if end == start + seconds else end - start
+
+
+class _Lane:
+    """One simulated rank: its plan's ops, their times so far and its queues' state."""
+
+    def __init__(self, rank: int, plan: SwapPlan, seconds: list[float], disturbance: Disturbance | None) -> None:
+        self.rank, self.plan, self.ops, self.seconds = rank, plan, plan.ops, seconds
+        n = len(plan.ops)
+        self.start, self.end, self.done = [0.0] * n, [0.0] * n, [_UNTIMED] * n
+        self.order: dict[str, list[int]] = {}  # queue -> its ops in plan order (first-use order of queues)
+        for i, op in enumerate(plan.ops):
+            self.order.setdefault(op.queue, []).append(i)
+        self.cursor = dict.fromkeys(self.order, 0)
+        self.free_at = dict.fromkeys(self.order, 0.0)
+        self.busy = {q: 0.0 for q in self.order if q != "mem"}
+        self.io = {t: {"read": 0, "write": 0} for t in TIERS}
+        self.waiters: dict[int, list[str]] = {}
+        d = disturbance
+        self.delays = d.delays_s.get(rank) if d is not None else None
+        self.rates = {q: w for (r, q), w in d.rates.items() if r == rank and w} if d is not None else {}
+        self.failing = {i for r, i in d.failing if r == rank} if d is not None else set()
+        self.hold = {i: t for (r, i), t in d.hold_s.items() if r == rank} if d is not None else {}
+        assert self.delays is None or len(self.delays) == n
+
+    def timeline(self) -> Timeline:
+        return Timeline(self.start, self.end, self.done, self.busy, self.io)
+
+
+class _Play:
+    """[Note: one model of time]
+    ``estimate``, ``op_times`` and ``luwu_rt.testing.simulate`` all time a step here. Each queue runs its
+    ops one at a time in plan order (an executor's queue thread issues them so); an op starts when its
+    queue is free and its dependencies completed, waits any delay before its work (chaos), works for
+    ``_Costs.seconds`` (stretched through windows of changed speed), and completes after any delay after
+    it. A ``Free`` (queue ``mem``) takes no time and waits for no queue. Queues advance independently,
+    each until an op needs a dependency not yet timed, and resume when it is: what order the queues are
+    advanced in cannot change a time. With one plan per rank (``synced``), a collective of a group in
+    ``SYNCED_GROUPS`` starts when the last member issued it and ends when its slowest member's part
+    does (a stalled rank holds its peers); with one plan for all ranks, every peer is taken to run the
+    same plan at the same times, so a collective starts when this rank issues it: the cost model's
+    assumption, and exact for ranks without chaos or faults. An op that fails never completes, nor does
+    anything waiting for it (its queue goes on); an op held back starts no earlier than its hold.
+    Without a ``Disturbance`` none of that enters the arithmetic: the times are a plain critical path
+    through dependencies and queues, and equal, to the bit, whichever caller asks."""
+
+    def __init__(self, lanes: list[_Lane], *, synced: bool, not_before: Mapping[int, float]) -> None:
+        self.lanes, self.synced, self.not_before = lanes, synced, not_before
+        self.stack: list[tuple[_Lane, str]] = [(lane, q) for lane in reversed(lanes) for q in reversed(lane.order)]
+        self.pending: dict[tuple, dict[int, tuple[int, float]]] = {}
+        self.seq = [self._collective_seq(lane) for lane in lanes] if synced else []
+
+    def _collective_seq(self, lane: _Lane) -> dict[int, int]:
+        """Op index -> its place among the synced collectives of its queue."""
+        seen: dict[str, int] = {}
+        out = {}
+        for i, op in enumerate(lane.ops):
+            if self._synced(op):
+                out[i] = seen[op.queue] = seen.get(op.queue, -1) + 1
+        return out
+
+    def _synced(self, op: Op) -> bool:
+        return self.synced and isinstance(op, Collective) and op.group in SYNCED_GROUPS and op.group_size > 1
+
+    def run(self) -> None:
+        while self.stack:
+            lane, queue = self.stack.pop()
+            self.advance(lane, queue)
+        stuck = [f"rank {lane.rank} op {lane.order[q][k]} ({lane.ops[lane.order[q][k]].kind} on {q})"
+                 for lane in self.lanes for q, k in lane.cursor.items() if k < len(lane.order[q])]
+        if stuck:
+            raise ValueError(f"the ranks' plans wait on each other: {', '.join(stuck[:6])} never start; "
+                             f"every rank must issue each group's collectives in the same order (validate_ranks)")
+
+    def advance(self, lane: _Lane, queue: str) -> None:
+        order, ops, done = lane.order[queue], lane.ops, lane.done
+        k = lane.cursor[queue]
+        while k < len(order):
+            i = order[k]
+            op = ops[i]
+            ready = 0.0
+            for d in op.deps:
+                t = done[d]
+                if t < 0.0:  # not timed yet: resume when it is
+                    lane.waiters.setdefault(d, []).append(queue)
+                    lane.cursor[queue] = k
+                    return
+                if t > ready:
+                    ready = t
+            if queue == "mem":
+                lane.start[i] = lane.end[i] = done[i] = ready
+            elif self.synced and self._synced(op):
+                if not self._arrive(lane, i, op, max(ready, lane.free_at[queue])):
+                    lane.cursor[queue] = k
+                    return
+            else:
+                self._time(lane, i, op, max(ready, lane.free_at[queue]))
+            self._wake(lane, i)
+            k += 1
+        lane.cursor[queue] = k
+
+    def _wake(self, lane: _Lane, i: int) -> None:
+        queues = lane.waiters.pop(i, None)
+        if queues:
+            self.stack.extend((lane, q) for q in queues)
+
+    def _time(self, lane: _Lane, i: int, op: Op, t0: float) -> None:
+        """Times op ``i``, whose queue is free and dependencies complete at ``t0``."""
+        if t0 == math.inf:  # a dependency never completes: neither does this op, which never runs
+            lane.start[i] = lane.end[i] = lane.done[i] = math.inf
+            return
+        seconds = lane.seconds[i]
+        before, after = lane.delays[i] if lane.delays is not None else (0.0, 0.0)
+        start = t0 + before if before else t0
+        if lane.hold and i in lane.hold:
+            start = max(start, lane.hold[i])
+        windows = lane.rates.get(op.queue)
+        end = start + seconds if windows is None else _finish(start, seconds, windows)
+        work = _work(start, seconds, end)
+        bound = self.not_before.get(i)
+        if bound is not None:  # waiting for the other side of a transfer: not work
+            end = max(end, bound)
+        self._record(lane, i, op, start, end, after, work)
+
+    def _record(self, lane: _Lane, i: int, op: Op, start: float, end: float, after: float, work: float) -> None:
+        lane.start[i], lane.end[i] = start, end
+        lane.free_at[op.queue] = end + after if after else end
+        lane.busy[op.queue] += work
+        if i in lane.failing:
+            lane.done[i] = math.inf
+            return
+        lane.done[i] = lane.free_at[op.queue]
         if isinstance(op, (Load, Store)):
-            io[op.src]["read"] += op.nbytes
-            io[op.dst]["write"] += op.nbytes
-    return _Run(tuple(times), busy, io)
+            lane.io[op.src]["read"] += op.nbytes
+            lane.io[op.dst]["write"] += op.nbytes
+
+    def _arrive(self, lane: _Lane, i: int, op: Collective, t0: float) -> bool:
+        """Rank ``lane`` issues a synced collective at ``t0``; once every member has, times it on all of them
+        (True for the last to arrive; the others' queues resume)."""
+        members = group_members(lane.plan.strategy, op.group, lane.rank)
+        if members[-1] >= len(self.lanes):
+            raise ValueError(f"rank {lane.rank}'s {op.kind} over {op.group!r} spans ranks {list(members)}, but "
+                             f"{len(self.lanes)} plan(s) were given: give one plan per rank of the world")
+        before = lane.delays[i][0] if lane.delays is not None else 0.0
+        key = (op.queue, self.seq[lane.rank][i], members)
+        arrived = self.pending.setdefault(key, {})
+        arrived[lane.rank] = (i, max(t0 + before, lane.hold.get(i, 0.0)))
+        if len(arrived) < len(members):
+            return False
+        del self.pending[key]
+        begin = max(t for _, t in arrived.values())
+        work = {}  # each member's own part: its seconds, stretched through its own windows
+        for rank, (j, _) in arrived.items():
+            peer = self.lanes[rank]
+            seconds = peer.seconds[j]
+            windows = peer.rates.get(op.queue)
+            work[rank] = seconds if windows is None else _work(begin, seconds, _finish(begin, seconds, windows))
+        end = max(begin + w for w in work.values())  # the slowest member's part holds everyone's
+        for rank, (j, _) in arrived.items():
+            peer = self.lanes[rank]
+            if begin == math.inf:
+                peer.start[j] = peer.end[j] = peer.done[j] = math.inf
+            else:
+                after = peer.delays[j][1] if peer.delays is not None else 0.0
+                self._record(peer, j, peer.ops[j], begin, end, after, work[rank])
+            if peer is not lane:
+                peer.cursor[op.queue] += 1
+                self.stack.append((peer, op.queue))
+                self._wake(peer, j)
+        return True
+
+
+def timelines(plans: Sequence[SwapPlan], profile: HardwareProfile, *, synced: bool = False,
+              disturbance: Disturbance | None = None, not_before: Mapping[int, float] | None = None,
+              node_shards: int = 1) -> tuple[Timeline, ...]:
+    """The simulated step of each of ``plans`` ([Note: one model of time]). ``synced``: ``plans[r]`` is rank
+    ``r``'s and collectives wait for every member of their group; otherwise each plan's peers are taken to
+    run as it does. ``disturbance``: chaos delays and faults; ``not_before[i]``: op ``i`` cannot end earlier
+    (a transfer whose other side is simulated separately); ``node_shards``: optimizer node processes that
+    share the workers' traffic ([Note: collective cost])."""
+    seconds: dict[int, list[float]] = {}  # ranks running the same plan object share its op times
+    for plan in plans:
+        if id(plan) not in seconds:
+            costs = _Costs(profile, plan, node_shards=node_shards)
+            seconds[id(plan)] = [0.0 if op.queue == "mem" else costs.seconds(op) for op in plan.ops]
+    lanes = [_Lane(r, plan, seconds[id(plan)], disturbance) for r, plan in enumerate(plans)]
+    _Play(lanes, synced=synced, not_before=not_before or {}).run()
+    return tuple(lane.timeline() for lane in lanes)
+
+
+def step_seconds(run: Timeline) -> float:
+    """Step time of one simulated rank: when its last op completes, and at least the time its disk is busy
+    reading and writing ([Note: one disk])."""
+    last = max((t for t in run.done if t != math.inf), default=0.0)
+    return max(last, _queue_load(run.busy, "").get("nvme", 0.0))
 
 
 def _waits(plan: SwapPlan, kind: type) -> dict[int, int]:
@@ -220,7 +454,8 @@ def _node_shards(node: SwapPlan) -> int:
     return max((op.group_size for op in node.ops if isinstance(op, NormReduce) and op.group == "nodes"), default=1)
 
 
-def _couple(plan: SwapPlan, node: SwapPlan, profile: HardwareProfile) -> tuple[_Run, _Run]:
+def couple(plan: SwapPlan, node: SwapPlan, profile: HardwareProfile, *,
+           disturbance: Disturbance | None = None) -> tuple[Timeline, Timeline]:
     """[Note: worker and node together]
     Every worker runs the same plan, and every node shard the same one, so one of each stands for
     all. A node's Recv(u) cannot end before the workers' Push(u) ended, and a worker's Pull(u) cannot
@@ -239,13 +474,13 @@ def _couple(plan: SwapPlan, node: SwapPlan, profile: HardwareProfile) -> tuple[_
     if node.strategy.world_size != plan.strategy.world_size:
         raise ValueError(f"the node plan expects {node.strategy.world_size} workers, the worker plan has "
                          f"{plan.strategy.world_size}")
-    worker_costs = _Costs(profile, plan, node_shards=_node_shards(node))
-    node_costs = _Costs(profile, node)
+    shards = _node_shards(node)
     served: dict[int, float] = {}
     for _ in range(2 * len(serve) + 3):
-        worker = _simulate(plan, worker_costs, not_before={pull[u]: t for u, t in served.items()})
-        node_run = _simulate(node, node_costs, not_before={recv[u]: worker.times[i][1] for u, i in push.items()})
-        now = {u: node_run.times[i][1] for u, i in serve.items()}
+        worker, = timelines([plan], profile, disturbance=disturbance, node_shards=shards,
+                            not_before={pull[u]: t for u, t in served.items()})
+        node_run, = timelines([node], profile, not_before={recv[u]: worker.end[i] for u, i in push.items()})
+        now = {u: node_run.end[i] for u, i in serve.items()}
         if now == served:
             return worker, node_run
         served = now
@@ -253,10 +488,10 @@ def _couple(plan: SwapPlan, node: SwapPlan, profile: HardwareProfile) -> tuple[_
                      "plan both for the same model and check the order of pushes and serves")
 
 
-def _runs(plan: SwapPlan, profile: HardwareProfile, node: SwapPlan | None) -> tuple[_Run, _Run | None]:
+def _runs(plan: SwapPlan, profile: HardwareProfile, node: SwapPlan | None) -> tuple[Timeline, Timeline | None]:
     if node is None:
-        return _simulate(plan, _Costs(profile, plan), not_before={}), None
-    return _couple(plan, node, profile)
+        return timelines([plan], profile)[0], None
+    return couple(plan, node, profile)
 
 
 def op_times(plan: SwapPlan, profile: HardwareProfile, *,
@@ -271,15 +506,20 @@ def estimate(plan: SwapPlan, profile: HardwareProfile, *, node: SwapPlan | None 
     optimizer node's plan, ``plan_node``) for a worker of strategy ``node``, both simulated together
     ([Note: worker and node together]) and the node's busy time reported beside the worker's."""
     run, node_run = _runs(plan, profile, node)
+    return step_cost(run, node_run)
+
+
+def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:
+    """The ``StepCost`` of a simulated worker rank (``timelines``), with the optimizer node's run beside it."""
     candidates = _queue_load(run.busy, "")
-    predicted = max(max((e for _, e in run.times), default=0.0), candidates.get("nvme", 0.0))
+    predicted = step_seconds(run)
     node_fields = {}
     if node_run is not None:
         node_load = _queue_load(node_run.busy, NODE_PREFIX)
         candidates.update(node_load)
         # Once per step the node must get through its busiest queue and its disk, whatever overlaps.
         predicted = max(predicted, max(node_load.values(), default=0.0))
-        node_fields = dict(node_step_s=max((e for _, e in node_run.times), default=0.0), node_busy_s=node_run.busy,
+        node_fields = dict(node_step_s=max(node_run.done, default=0.0), node_busy_s=node_run.busy,
                            node_io_bytes=node_run.io)
     bottleneck = max(candidates, key=candidates.__getitem__) if candidates else "none"
     return StepCost(predicted_step_s=predicted, bottleneck=bottleneck, busy_s=run.busy, io_bytes=run.io, **node_fields)

@@ -48,7 +48,8 @@ from __future__ import annotations
 import dataclasses
 
 from .ops import GLOBAL_UNIT, GradNorm, NormReduce, OptimStep, Recv, Serve, ShardId, ShardInfo, SwapPlan
-from .planner import POLICIES, OutOfBudget, budget_message, walk_steps
+from .planner import OutOfBudget, budget_message, walk_steps
+from .policy import Policy, as_policy
 # Package-internal helpers of the worker's sequence: one way to cut buffers into shards and to
 # count ring bytes (DESIGN.md style 11).
 from .sequence import NORM_BYTES, Need, Step, _cut, _ring, element_bytes, final_points, home_of
@@ -184,13 +185,12 @@ def node_lower_bounds(model: ModelSpec, *, placement: Placement, num_shards: int
 
 
 def plan_node(model: ModelSpec, *, budgets: Budgets, placement: Placement, num_workers: int, shard_index: int = 0,
-              num_shards: int = 1, policy: str = "belady") -> SwapPlan:
+              num_shards: int = 1, policy: str | Policy = "belady") -> SwapPlan:
     """Plan one step of optimizer node process ``shard_index`` of ``num_shards`` serving ``num_workers``
     workers ([Note: the node's step]): a ``SwapPlan`` with role ``node``, over the node's own ``budgets``
     (device 0) and ``placement`` (host or nvme for each state). Raises ``ValueError`` naming the tier and
     the bytes it needs when a budget is too small."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    policy = as_policy(policy)
     _check(model, placement, num_workers=num_workers, shard_index=shard_index, num_shards=num_shards)
     if budgets.device_bytes:
         raise ValueError(f"an optimizer node has no device tier: give it device_bytes=0, not "

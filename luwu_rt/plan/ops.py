@@ -282,7 +282,7 @@ class SwapPlan:
     """Device memory kept out of the arena for activations and collective workspaces."""
     strategy: Strategy
     policy: str
-    """Eviction policy that made the plan: ``belady`` or ``lru``."""
+    """Name of the policy that made the plan (policy.py): ``belady``, ``lru`` or a ``Policy`` of one's own."""
 
     peak_bytes: Mapping[str, int]
     """Most bytes in use on each tier at any point of the plan (device: reserve included)."""

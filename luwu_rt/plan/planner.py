@@ -7,9 +7,10 @@ and read them. Before a step it makes each input resident on the tier the step
 needs, moving it one tier at a time from the nearest up-to-date copy; every
 copy gets an arena slot, and when a slot does not fit the eviction policy picks
 a victim among the evictable copies of that tier: not a home copy, not used by
-the current step, and not the only up-to-date copy. Under ``belady`` the victim
-is the copy whose next use is furthest away (optimal for equal sizes); under
-``lru`` the least recently used one (kept for comparison). Evicting a clean
+the current step, and not the only up-to-date copy ([Note: policies] in
+policy.py). Under ``belady`` the victim is the copy whose next use is furthest
+away (optimal for equal sizes); under ``lru`` the least recently used one (kept
+for comparison). Evicting a clean
 copy needs no IO: dirty data never waits for eviction because right after a
 step writes a shard away from its home, the planner writes it back toward its
 home one tier at a time - unless the next access of the shard is another write
@@ -20,7 +21,8 @@ back first.
 
 Prefetch is not a separate mechanism: a load depends only on its source copy
 and on the ``Free`` of whatever occupied its slot, so an executor can issue it
-as soon as the budget has room, however early that is.
+as soon as the budget has room, however early that is - unless the policy
+bounds its depth (``Policy.prefetch_depth``).
 
 [Note: plan granularity]
 A shard is the planning unit, and a plan shard groups whole storage chunks: a
@@ -43,13 +45,13 @@ from typing import Callable, Iterable
 
 from .arena import Arena
 from .ops import Access, Collective, Free, Load, Op, ShardId, ShardInfo, Store, SwapPlan, Wait
+from .policy import POLICIES, Policy, as_policy
 from .sequence import Step, build_layout, build_steps, comm_groups, home_of
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
 
 __all__ = ["plan_step", "walk_steps", "lower_bounds", "effective_placement", "OutOfBudget", "POLICIES"]
 
-POLICIES = ("belady", "lru")
 _QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d", ("device", "host"): "d2h"}
 _NEVER = float("inf")
 
@@ -69,10 +71,35 @@ class _Copy:
         self.last_use = -1
 
 
+class _View:
+    """The ``PolicyView`` of a walk at one step, for one tier ([Note: policies] in policy.py)."""
+
+    __slots__ = ("_walk", "tier", "pos")
+
+    def __init__(self, walk: "_Walk", tier: str, pos: int) -> None:
+        self._walk, self.tier, self.pos = walk, tier, pos
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._walk.steps)
+
+    def next_use(self, shard: ShardId) -> float:
+        return self._walk._next_use(shard, self.tier, self.pos)
+
+    def last_use(self, shard: ShardId) -> int:
+        copy = self._walk.copies[shard].get(self.tier)
+        return -1 if copy is None else copy.last_use
+
+    def nbytes(self, shard: ShardId) -> int:
+        return self._walk.layout[shard].nbytes
+
+
 class _Walk:
     def __init__(self, steps: list[Step], layout: dict[ShardId, ShardInfo], placement: Placement,
-                 budgets: Budgets, reserve_bytes: int, policy: str, initial_kinds: frozenset[str]) -> None:
+                 budgets: Budgets, reserve_bytes: int, policy: Policy, initial_kinds: frozenset[str]) -> None:
         self.steps, self.layout, self.placement, self.budgets, self.policy = steps, layout, placement, budgets, policy
+        # Asking a policy that keeps the default costs a call per load: only ask one that bounds prefetch.
+        self.bounds_prefetch = type(policy).prefetch_depth is not Policy.prefetch_depth
         self.initial_kinds = initial_kinds
         self.ops: list[Op] = []
         self.step_op: list[int] = []
@@ -143,16 +170,18 @@ class _Walk:
         return uses[i] if i < len(uses) else _NEVER
 
     def _victim(self, tier: str, pos: int, pinned: frozenset) -> ShardId | None:
-        """Clean copies first (evicting them costs no IO), dirty ones only when nothing else is left."""
-        candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=False)]
-        if not candidates:
-            candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=True)]
-        if not candidates:
-            return None
-        if self.policy == "lru":
-            return min(candidates, key=lambda s: self.copies[s][tier].last_use)
-        # Furthest next use first; among equals the larger shard frees more room.
-        return max(candidates, key=lambda s: (self._next_use(s, tier, pos), self.layout[s].nbytes))
+        """Clean copies first (evicting them costs no IO), dirty ones when there are none or the policy
+        declines every clean one ([Note: policies] in policy.py)."""
+        view = _View(self, tier, pos)
+        for dirty in (False, True):
+            candidates = [s for s in self.resident[tier] if self._evictable(s, tier, pinned, dirty=dirty)]
+            victim = self.policy.victim(candidates, view) if candidates else None
+            if victim is not None:
+                if victim not in candidates:
+                    raise ValueError(f"policy {self.policy.name!r} chose {victim} to evict from {tier}, which is "
+                                     f"not one of the candidates it was offered")
+                return victim
+        return None
 
     # -- memory --------------------------------------------------------------------------------
     def _alloc(self, shard: ShardId, tier: str, pos: int, pinned: frozenset) -> tuple[int | None, tuple[int, ...]]:
@@ -207,11 +236,26 @@ class _Walk:
         if source.ready >= 0:
             deps.add(source.ready)
         cls = Load if TIERS.index(dst) < TIERS.index(src) else Store
+        if cls is Load:
+            deps.update(self._prefetch_bound(shard, dst, pos))
         idx = self._emit(cls(deps=tuple(sorted(deps)), queue=_QUEUE[(src, dst)], nbytes=self.layout[shard].nbytes,
                              inputs=(Access(shard, src, source.slot),), outputs=(Access(shard, dst, target.slot),)))
         source.readers.append(idx)
         source.last_use = target.last_use = pos
         target.version, target.ready, target.readers = source.version, idx, []
+
+    def _prefetch_bound(self, shard: ShardId, tier: str, pos: int) -> tuple[int, ...]:
+        """The step a load for step ``pos`` must wait for under the policy's prefetch depth, if any."""
+        if not self.bounds_prefetch:
+            return ()
+        depth = self.policy.prefetch_depth(shard, _View(self, tier, pos))
+        if depth is None:
+            return ()
+        if not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"policy {self.policy.name!r}: prefetch_depth must be None or a non-negative int, "
+                             f"got {depth!r}")
+        before = pos - depth - 1
+        return (self.step_op[before],) if before >= 0 else ()
 
     def _path(self, src: str, dst: str) -> list[tuple[str, str]]:
         i, j = TIERS.index(src), TIERS.index(dst)
@@ -364,12 +408,12 @@ def effective_placement(placement: Placement, strategy: Strategy) -> Placement:
 
 
 def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
-              policy: str = "belady") -> SwapPlan:
+              policy: str | Policy = "belady") -> SwapPlan:
     """Plan one training step of one rank under a resolved placement (no ``auto``; see
-    ``search.plan_auto``). Raises ``OutOfBudget`` (a ``ValueError``) naming the tier and the bytes it
-    needs when a budget is too small."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    ``search.plan_auto``), evicting and prefetching as ``policy`` (a name of ``POLICIES`` or a ``Policy``)
+    chooses. Raises ``OutOfBudget`` (a ``ValueError``) naming the tier and the bytes it needs when a
+    budget is too small."""
+    policy = as_policy(policy)
     if not placement.is_resolved:
         raise ValueError(f"plan_step needs a resolved placement, got {placement}; use plan_auto for 'auto'")
     placement = effective_placement(placement, strategy)
@@ -388,11 +432,12 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
 
 
 def walk_steps(steps: list[Step], layout: dict[ShardId, ShardInfo], *, model: ModelSpec, budgets: Budgets,
-               placement: Placement, strategy: Strategy, policy: str, comm_groups: dict[str, str],
+               placement: Placement, strategy: Strategy, policy: str | Policy, comm_groups: dict[str, str],
                role: str = "worker") -> SwapPlan:
     """The planner's core ([Note: how the planner works]): places ``steps`` (from ``build_steps``, or the
     optimizer node's own sequence) over ``layout``. Raises ``OutOfBudget`` naming the tier that ran out."""
     reserve = model.activation_bytes
+    policy = as_policy(policy)
     walk = _Walk(steps, layout, placement, budgets, reserve, policy, model.initial_kinds)
     home_slots = walk.place_homes()
     for pos, step in enumerate(walk.steps):
@@ -401,7 +446,7 @@ def walk_steps(steps: list[Step], layout: dict[ShardId, ShardInfo], *, model: Mo
     return SwapPlan(ops=tuple(walk.ops), shards=layout, chunk_bytes=model.chunk_bytes,
                     homes={s: home_of(s, placement) for s in _kinds(layout)}, comm_groups=comm_groups, role=role,
                     budgets=budgets, arena_bytes={t: a.high_water_bytes for t, a in walk.arenas.items()},
-                    device_reserve_bytes=reserve, strategy=strategy, policy=policy, home_slots=home_slots,
+                    device_reserve_bytes=reserve, strategy=strategy, policy=policy.name, home_slots=home_slots,
                     peak_bytes=walk.peak)
 
 

@@ -29,6 +29,7 @@ from .cost import StepCost, estimate
 from .node import NODE_TIERS, node_lower_bounds, plan_node
 from .ops import SwapPlan
 from .planner import OutOfBudget, effective_placement, lower_bounds, plan_step
+from .policy import Policy, as_policy
 from .sizes import flag_size, format_size, parse_size
 from .spec import TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
@@ -77,10 +78,11 @@ def _fits(bounds: dict[str, int], budgets: Budgets) -> bool:
 
 def plan_auto(model: ModelSpec, *, budgets: Budgets, placement: Placement = Placement(),
               strategy: Strategy = Strategy(), profile: HardwareProfile = HardwareProfile(),
-              policy: str = "belady") -> PlanResult:
+              policy: str | Policy = "belady") -> PlanResult:
     """Plan one step, resolving ``auto`` placements to the fastest that fits.
 
     Raises ``DoesNotFit`` (a ``ValueError``) stating the memory that would make it fit."""
+    policy = as_policy(policy)  # an unknown name is the caller's error, not a placement that does not fit
     errors: list[str] = []
     best = _fastest(_candidates(placement, strategy), budgets=budgets, profile=profile, errors=errors,
                     bounds=lambda c: lower_bounds(model, placement=c, strategy=strategy),
@@ -177,7 +179,7 @@ class Remedy:
 
 
 def _remedy(model: ModelSpec, group: list[Placement], *, budgets: Budgets, strategy: Strategy,
-            policy: str) -> Remedy | None:
+            policy: str | Policy) -> Remedy | None:
     """The most frugal of ``group``'s placements under raised budgets: least device memory first (the
     scarcest), then host memory, then NVMe. Candidates are tried in the order of their lower bounds,
     which no search goes below (on a tie, slower tiers first: they need less of the faster ones), and
@@ -200,7 +202,8 @@ def _remedy(model: ModelSpec, group: list[Placement], *, budgets: Budgets, strat
     return best
 
 
-def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy, policy: str,
+def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy,
+                  policy: str | Policy,
                   errors: list[str]) -> DoesNotFit:
     """The remedies, each verified by planning it ([Note: suggesting budgets]): the budgets that plan with
     every state in memory, and those that plan with persistent state on NVMe."""
@@ -246,11 +249,12 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
 
 def plan_node_auto(model: ModelSpec, *, budgets: Budgets, num_workers: int, placement: Placement = Placement(),
                    num_shards: int = 1, shard_index: int = 0, profile: HardwareProfile = HardwareProfile(),
-                   policy: str = "belady") -> PlanResult:
+                   policy: str | Policy = "belady") -> PlanResult:
     """Plan one optimizer node process's step (``node.plan_node``), resolving ``auto`` fields of ``placement``
     to host or NVMe: the candidate with the shortest step of the node on its own wins.
 
     Raises ``DoesNotFit`` (a ``ValueError``) stating the node memory that would make it fit."""
+    policy = as_policy(policy)
     bad = [f"{f}={getattr(placement, f)}" for f in _FIELDS if getattr(placement, f) not in NODE_TIERS + ("auto",)]
     if bad:
         raise ValueError(f"node placement {', '.join(bad)}: an optimizer node keeps its states on host or nvme")

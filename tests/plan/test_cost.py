@@ -252,9 +252,9 @@ def _wait_of(plan: SwapPlan, kind: type) -> dict[int, int]:
 
 def _node_times(worker, node, profile):
     """The node's op times of the coupled simulation (the public API gives the worker's)."""
-    from luwu_rt.plan.cost import _couple
+    from luwu_rt.plan.cost import couple
 
-    return _couple(worker, node, profile)[1].times
+    return couple(worker, node, profile)[1].times
 
 
 @pytest.mark.parametrize("clip", [False, True])
