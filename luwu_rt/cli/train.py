@@ -67,13 +67,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _build(args: argparse.Namespace):
+    from luwu_rt.ckpt.format import CheckpointReader
+    from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
+    from luwu_rt.cli.dirs import nothing_left_on_error
     from luwu_rt.config import from_mapping
     from luwu_rt.engine import Engine, TrainConfig
     from luwu_rt.engine.config import resumed_settings
-    from luwu_rt.ckpt.format import CheckpointReader
-    from luwu_rt.cli.dirs import nothing_left_on_error
     from luwu_rt.fs import lock_dir, lock_file, writable_dir
-    from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
     from luwu_rt.optim.schedule import resume_line
 
     settings = _settings(args)

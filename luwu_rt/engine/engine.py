@@ -95,7 +95,12 @@ class Engine:
 
     def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True,
                  init_from: str | os.PathLike | None = None) -> None:
-        self.config = config = config or TrainConfig()
+        config = config or TrainConfig()
+        if config.optim.schedule_steps is None:
+            # Where the cosine ends is part of the run's config: its checkpoints and the node's HELLO say it, and a
+            # resume keeps it ([Note: the schedule of a resumed run] in optim/schedule.py).
+            config = replace(config, optim=replace(config.optim, schedule_steps=config.steps))
+        self.config = config
         self.world: World = init_from_env(timeout_s=config.timeout_s)
         self._demo = (model if model is not None else config.model) == DEMO_MODEL  # built by name: the demo's budgets
         self.chain = _as_chain(model if model is not None else config.model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from luwu_rt.ckpt.format import CheckpointReader
 from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
 from luwu_rt.fs import SCRATCH_PREFIX
@@ -36,6 +37,7 @@ def saved(tmp_path):
             engine.train_step()
         path = engine.save(tmp_path / "ck")
     assert not (tmp_path / "made").exists()  # created by the engine (both levels): removed when it closed
+    assert CheckpointReader(path).settings["optim"]["schedule_steps"] == STEPS  # the schedule is the run's config
     return path
 
 
