@@ -1,5 +1,7 @@
 """File-system helpers: advisory directory locks (one run at a time in an NVMe tier or checkpoint
-directory), writable-directory checks and durable renames (``fsync_dir``).
+directory), writable-directory checks, durable renames (``fsync_dir``) and the directories a run creates
+and removes again (``missing_top``, ``remove_made``, ``scratch_name``: [Note: missing directories] in
+cli/dirs.py).
 
 [Note: directory locks]
 A run that shares a directory with another one destroys it: the NVMe tier is
@@ -29,12 +31,18 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import threading
+import uuid
 from pathlib import Path
 
-__all__ = ["LOCK_FILE", "DirLock", "FileLock", "fsync_dir", "lock_dir", "lock_file", "writable_dir"]
+__all__ = ["LOCK_FILE", "SCRATCH_PREFIX", "DirLock", "FileLock", "fsync_dir", "lock_dir", "lock_file", "missing_top",
+           "remove_made", "scratch_name", "writable_dir"]
 
 LOCK_FILE = ".luwu.lock"
+
+SCRATCH_PREFIX = "luwu-scratch-"
+"""Name prefix of the NVMe scratch directories made in the current directory (``luwu train``, ``Engine.load``)."""
 
 _held: dict[Path, "DirLock"] = {}
 _mutex = threading.Lock()
@@ -164,3 +172,38 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def missing_top(path: str | os.PathLike) -> Path | None:
+    """The outermost directory of ``path`` (made absolute) that does not exist yet, which creating ``path``
+    makes; ``None`` when ``path`` exists."""
+    top = None
+    p = Path(path).absolute()
+    while not p.exists():
+        top, p = p, p.parent
+    return top
+
+
+def remove_made(path: str | os.PathLike, *, top: str | os.PathLike) -> None:
+    """Removes the directory ``path`` with what is in it, then each directory above it up to ``top`` (which
+    was made for it: ``missing_top``) that is empty by then. Ranks that share ``top`` each remove their own
+    ``path`` in it; the last one out removes ``top`` ([Note: missing directories] in cli/dirs.py)."""
+    p, top = Path(path).absolute(), Path(top).absolute()
+    assert p == top or top in p.parents, f"{top} is not {p} or above it"
+    shutil.rmtree(p, ignore_errors=True)
+    while p != top:
+        p = p.parent
+        try:
+            p.rmdir()
+        except OSError:  # not empty (another rank's part is still there), or gone already
+            return
+
+
+def scratch_name(directory: str | os.PathLike = os.curdir) -> str:
+    """A fresh name ``DIR/luwu-scratch-XXXXXXXX`` that nothing has: for a scratch directory that the one who
+    creates it removes again. In the current directory by default: where a user looks for what a run left,
+    and on a disk, where the system's temporary directory is often a tmpfs, which is memory."""
+    while True:
+        path = os.path.join(directory, f"{SCRATCH_PREFIX}{uuid.uuid4().hex[:8]}")
+        if not os.path.lexists(path):
+            return path

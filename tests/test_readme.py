@@ -4,8 +4,9 @@ A fenced block whose info string carries ``run`` (```` ```bash run ````, ```` ``
 blocks line by line with bash in one scratch directory, Python blocks as one script. Installing (``pip
 install``, and a ``pip show`` that decides whether to) and the test suite itself are left out: they made the
 environment these tests run in. Step counts are shortened to ``LUWU_README_STEPS`` per 100 written (default 2,
-at least 1) by rewriting ``--steps N`` and ``range(N)`` (a ``luwu train`` without ``--steps`` runs its 300
-default steps), keeping their proportions so that a resume still continues a shorter run.
+at least 1) by rewriting ``--steps N``, ``--stop-after N``, ``--schedule-steps N`` and ``range(N)`` (a ``luwu
+train`` without ``--steps`` runs its 300 default steps, unless it resumes a run, which has its own), keeping
+their proportions so that a resume still continues a shorter run.
 Blocks that need what CI lacks say so in the info string (```` ```bash needs-gpu ````, ``needs-cluster``,
 ``needs-disk``, ``needs-model``) and are only parsed: their shell lines must name real ``luwu`` commands and
 flags (``--help`` accepts them), their Python must compile.
@@ -47,7 +48,9 @@ def _scaled(steps: int) -> int:
 
 
 def _shorten(text: str) -> str:
-    text = re.sub(r"--steps (\d+)", lambda m: f"--steps {_scaled(int(m.group(1)))}", text)
+    # --stop-after and --schedule-steps count steps too: shortened alike, a stopped run still stops before its end.
+    text = re.sub(r"--(steps|stop-after|schedule-steps) (\d+)", lambda m: f"--{m.group(1)} {_scaled(int(m.group(2)))}",
+                  text)
     return re.sub(r"range\((\d+)\)", lambda m: f"range({_scaled(int(m.group(1)))})", text)
 
 
@@ -56,7 +59,9 @@ def _runnable(command: str) -> str:
     parts = [p.strip() for p in command.split("&&")]
     # `{ pip show ... || pip install -e .; }` too: an install only where the package is missing.
     parts = [p for p in parts if not p.lstrip("{ ").startswith(("pip ", "python -m pytest"))]
-    parts = [p + f" --steps {_scaled(300)}" if p.startswith("luwu train") and "--steps" not in p else p for p in parts]
+    # A --resume takes the saved run's --steps.
+    parts = [p + f" --steps {_scaled(300)}" if p.startswith("luwu train") and "--steps" not in p and "--resume" not in p
+             else p for p in parts]
     return " && ".join(parts)
 
 

@@ -55,11 +55,18 @@ def choose_checkpoint(directory: str, *, resume: bool, if_exists: bool, say: Cal
     return None
 
 
-def check_steps(path: Path, *, step: int, steps: int) -> None:
-    """``--steps`` must go beyond the checkpoint's step: a resumed run that would do nothing is an error."""
-    if steps <= step:
+def check_steps(path: Path, *, step: int, steps: int, given: bool) -> None:
+    """The resumed run must go beyond the checkpoint's ``step``: one that would do nothing is an error.
+    ``steps``: where it ends; ``given``: whether the user gave them (else they are the saved run's own)."""
+    if steps > step:
+        return
+    if given:
         raise ValueError(f"--steps {steps} is not beyond step {step} of the checkpoint {path}; "
                          f"give --steps above {step} to train further")
+    # The saved run's own --steps: it ran them all ([Note: the schedule of a resumed run] in optim/schedule.py).
+    raise ValueError(f"the run in {path.parent} is complete: its checkpoint {path.name} is at step {step} of its "
+                     f"{steps}; to train further give --steps N above {step} (the steps past the learning-rate "
+                     f"schedule's end run at its min_lr; add --schedule-steps N to stretch the cosine to step N)")
 
 
 def _describe(path: Path) -> str:

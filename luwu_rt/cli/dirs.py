@@ -4,15 +4,21 @@ names none, and whether a directory is on a disk that takes O_DIRECT.
 [Note: missing directories]
 Every command treats a directory the user names the same way: one that does not exist is created, and
 the command says so on stderr (a typo should not fill another disk unnoticed); a file in its place is a
-one-line error. What happens to it afterwards follows from what the command keeps there: ``luwu train
---nvme-dir D`` keeps ``D`` (and its lock file, [Note: directory locks]) and removes only the tier's
-files, while the benchmarks keep nothing, so they remove what they created. ``luwu plan`` creates
-nothing: it plans with the free space of the disk the directory would be made on. ``luwu train``
-without ``--nvme-dir`` makes a scratch directory ``./luwu-scratch-*`` and removes it at exit (success,
-error or Ctrl-C), and ``luwu plan`` without ``--nvme-dir`` plans with the free space of the current
-directory's disk, so the two answer alike. A run refused before it starts (it does not fit, a
-checkpoint it cannot resume) leaves nothing behind: ``nothing_left_on_error`` removes the directories it
-created and the lock files it made in existing ones.
+one-line error. One rule then says what happens to it: a command removes at exit what it created for
+scratch, however it exits, unless told to keep it (``--keep-nvme-state``), and leaves a directory that
+existed as it was but for its own files. So ``luwu train --nvme-dir D`` removes ``D`` when the run made it
+(the engine that created it removes it when it closes: ``Engine`` in engine/engine.py, the tier's files
+and lock file with it, each rank its ``D/rank-<r>`` and the last one ``D``), and only the tier's files
+``D/luwu_state`` when ``D`` was there before (its lock file stays: [Note: directory locks] in fs.py); the
+benchmarks' ``--nvme-dir`` and ``--dir`` alike (``created_dir``). ``luwu plan`` creates nothing: it plans
+with the free space of the disk the directory would be made on. ``luwu train`` without ``--nvme-dir``
+makes a scratch directory ``./luwu-scratch-*`` and removes it at exit (success, error or Ctrl-C), or as
+soon as the plan keeps nothing on NVMe, and ``luwu plan`` without ``--nvme-dir`` plans with the free space
+of the current directory's disk, so the two answer alike; ``Engine.load`` from Python, which never reuses
+the saved run's NVMe directory, gives a loaded run that had one a fresh ``./luwu-scratch-*`` that it
+removes when it closes. A run refused before it starts (it does not fit, a checkpoint it cannot resume)
+leaves nothing behind: ``nothing_left_on_error`` removes the directories it created and the lock files
+it made in existing ones.
 """
 
 from __future__ import annotations
@@ -27,23 +33,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from luwu_rt.fs import SCRATCH_PREFIX, missing_top
+
 __all__ = ["SCRATCH_PREFIX", "Scratch", "created_dir", "disk_problem", "free_bytes", "nothing_left_on_error",
            "scratch_dir"]
 
-SCRATCH_PREFIX = "luwu-scratch-"
-"""Name prefix of the NVMe scratch directory ``luwu train`` makes in the current directory."""
-
 # File systems that keep their files in memory: a tier there measures RAM, not a disk.
 _MEMORY_FS = ("tmpfs", "ramfs", "devtmpfs")
-
-
-def _missing_top(path: Path) -> Path | None:
-    """The outermost directory of ``path`` that does not exist yet (what creating it makes), or ``None``."""
-    top = None
-    p = path.absolute()
-    while not p.exists():
-        top, p = p, p.parent
-    return top
 
 
 @contextlib.contextmanager
@@ -57,7 +53,7 @@ def nothing_left_on_error(*paths: str | os.PathLike | None) -> Iterator[list]:
     from luwu_rt.fs import LOCK_FILE
 
     given = [Path(p) for p in paths if p]
-    made = [top for p in given if (top := _missing_top(p)) is not None]
+    made = [top for p in given if (top := missing_top(p)) is not None]
     locks = [p / LOCK_FILE for p in given if p.is_dir() and not (p / LOCK_FILE).exists()]
     held: list = []
     try:
@@ -91,7 +87,7 @@ def created_dir(path: str | os.PathLike, *, flag: str) -> Iterator[Path]:
     directories])."""
     from luwu_rt.fs import writable_dir
 
-    made = _missing_top(Path(path))
+    made = missing_top(Path(path))
     try:
         directory = writable_dir(path, flag=flag)  # a file in its place or no permission: one line, now
         if made is not None:

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--resume when --ckpt-dir holds a checkpoint, else start from step 0")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--stop-after", dest="stop_after", type=int, default=None, metavar="N",
+                        help="stop after step N, as Ctrl-C would (with --ckpt-dir a checkpoint of it), and exit 0: "
+                             "--resume then continues the same run, on the same learning-rate schedule, to --steps")
     parser.add_argument("--spawn-node", dest="spawn_node", action="store_true",
                         help="strategy node: start a local optimizer node (luwu node serve) for the --nproc ranks "
                              "and stop it when training ends or fails")
@@ -64,18 +67,23 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _build(args: argparse.Namespace):
-    from luwu_rt.config import from_mapping, merge, upgrade_keys
-    from luwu_rt.engine import Engine, TrainConfig
     from luwu_rt.ckpt.format import CheckpointReader
-    from luwu_rt.cli.dirs import nothing_left_on_error
-    from luwu_rt.fs import lock_dir, lock_file, writable_dir
     from luwu_rt.ckpt.resume import check_steps, choose_checkpoint
+    from luwu_rt.cli.dirs import nothing_left_on_error
+    from luwu_rt.config import from_mapping
+    from luwu_rt.engine import Engine, TrainConfig
+    from luwu_rt.engine.config import resumed_settings
+    from luwu_rt.fs import lock_dir, lock_file, writable_dir
+    from luwu_rt.optim.schedule import resume_line
 
     settings = _settings(args)
     config = from_mapping(TrainConfig, settings)
-    if config.offload.nvme_dir and not os.path.exists(config.offload.nvme_dir):
-        # Created as `luwu plan --nvme-dir` assumes, but said: a typo should not fill another disk unnoticed.
-        _say(f"creating --nvme-dir {config.offload.nvme_dir} (it did not exist)")
+    off = config.offload
+    if off.nvme_dir and not os.path.exists(off.nvme_dir):
+        # Created as `luwu plan --nvme-dir` assumes, but said: a typo should not fill another disk unnoticed;
+        # the engine removes what it created when it closes ([Note: missing directories] in dirs.py).
+        fate = "kept: --keep-nvme-state" if off.keep_nvme_state else "removed at exit"
+        _say(f"creating --nvme-dir {off.nvme_dir} (it did not exist; {fate})")
     for path, flag in ((config.json_log, "--json-log"), (config.trace, "--trace")):
         if path:  # outputs are checked before the first step, not when it ends ([Note: directory locks])
             writable_dir(os.path.dirname(os.path.abspath(path)), flag=f"the directory of {flag}")
@@ -95,9 +103,12 @@ def _build(args: argparse.Namespace):
         if start is None:
             return Engine(None, config)
         reader = CheckpointReader(start)
-        saved = upgrade_keys(TrainConfig, reader.settings)  # a checkpoint from before a rename keeps its old keys
-        check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(saved, settings)).steps)
+        # What Engine.load will run: the saved run's settings, the flags given over them.
+        resumed = from_mapping(TrainConfig, resumed_settings(reader.settings, settings))
+        check_steps(start, step=reader.step, steps=resumed.steps, given="steps" in settings)
         _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
+        saved_end = resumed_settings(reader.settings, {})["optim"]["schedule_steps"]
+        _say(resume_line(resumed.optim, step=reader.step, steps=resumed.steps, saved_end=saved_end))
         return Engine.load(start, overrides=settings)
 
 
@@ -200,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     from luwu_rt.interrupt import StopRequest, test_hook
 
     world_size = int(os.environ.get("WORLD_SIZE") or 1)
+    if getattr(args, "stop_after", None) is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after {args.stop_after}: give the step to stop after, >= 1")
     if getattr(args, "node_shards", 1) != 1 and not getattr(args, "spawn_node", False):
         raise ValueError("--node-shards goes with --spawn-node; for nodes you started, list every shard's address "
                          "in --node, in shard order")
@@ -262,6 +275,7 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
             # The ranks get the flags that were given ('--flag=value', which a value starting with '-' survives).
             argv = config_argv(args)
             argv += [f"--{name.replace('_', '-')}" for name in ("resume_if_exists", "quiet") if getattr(args, name)]
+            argv += [f"--stop-after={args.stop_after}"] if args.stop_after is not None else []
             argv += [f"--config={args.config}"] if args.config else []
             return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
         if world_size > 1:
@@ -324,6 +338,7 @@ def _train(engine, args: argparse.Namespace) -> int:
     if engine.weights_source:  # which of the model, a checkpoint folder or the seed the run starts from
         _say(f"first {engine.weights_source}")
     stop = getattr(args, "stop_request", None)
+    stop_after = getattr(args, "stop_after", None)
     wrap_handlers(engine)
     saved = engine.step if c.checkpoint.resume else -1  # the step of this run's newest checkpoint
     if c.json_log and first and c.checkpoint.resume and engine.step > 0:
@@ -342,6 +357,8 @@ def _train(engine, args: argparse.Namespace) -> int:
     try:
         while engine.step < c.steps:
             if stop is not None and _stopping(engine, stop):
+                break
+            if stop_after is not None and engine.step >= stop_after:  # every rank at the same step
                 break
             m = engine.train_step()
             health.progress(engine.step)  # a failure report names the step a silent rank stopped at
@@ -381,6 +398,9 @@ def _train(engine, args: argparse.Namespace) -> int:
             where = f"; --resume continues from step {engine.step}" if c.checkpoint.dir and engine.step else ""
             print(f"luwu: stopped after step {engine.step} of {c.steps}{where}", file=sys.stderr)
         return stop.exit_code
+    if stop_after is not None and engine.step < c.steps and first:
+        where = f"; --resume continues from step {engine.step}" if c.checkpoint.dir and engine.step else ""
+        print(f"luwu: stopped after step {engine.step} of {c.steps} (--stop-after){where}", file=sys.stderr)
     if c.trace and engine.last_spans:
         from luwu_rt.exec import write_rank_traces
 

@@ -8,10 +8,11 @@ table] there): the defaults ``--help`` shows are the ones below.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from luwu_rt.config import flag
+from luwu_rt.config import flag, merge, upgrade_keys
 from luwu_rt.data import DataConfig
 from luwu_rt.engine.budgets import auto_help
 from luwu_rt.io.engine import BACKENDS
@@ -20,7 +21,7 @@ from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan.sizes import parse_size
 from luwu_rt.plan.spec import STRATEGIES
 
-__all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig"]
+__all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig", "resumed_settings"]
 
 _TIERS = ("device", "host", "nvme", "auto")
 """Values of the ``offload`` placements (``--offload-*``)."""
@@ -76,11 +77,13 @@ class OffloadConfig:
     is updated, so the planner itself must put the optimizer state on NVMe: ``luwu train`` alone uses all
     three tiers."""
     nvme_dir: str | None = field(default=None, metadata=flag(
-        "directory of the NVMe tier, created if missing (default: a scratch directory ./luwu-scratch-* made for "
-        "the run and removed at exit; a resumed run makes a new one too)", metavar="DIR", plans=True))
+        "directory of the NVMe tier, created if missing and then removed at exit (default: a scratch directory "
+        "./luwu-scratch-* made for the run and removed at exit; a resumed run makes a new one too)", metavar="DIR",
+        plans=True))
     """Directory of the NVMe tier; needed when any state lives on ``nvme`` (or ``auto`` may choose it).
     Created when missing, as ``luwu plan --nvme-dir`` assumes. The tier's files (``luwu_state/`` under it)
-    are scratch: the checkpoint, not they, survives a run, so they are removed when the engine closes.
+    are scratch: the checkpoint, not they, survives a run, so they are removed when the engine closes, and
+    with them the directory when the engine created it. A resumed run does not reuse the saved run's.
     ``None``: the engine has no NVMe tier; ``luwu train`` then gives it a scratch directory
     ``./luwu-scratch-*`` of its own, removed at exit, and ``luwu plan`` plans with that directory's disk
     ([Note: missing directories] in cli/dirs.py)."""
@@ -156,8 +159,9 @@ class TrainConfig:
     """Safetensors file or folder (a Hugging Face model folder or this project's export) whose tensors, matched
     by name, are the first weights, streamed in unit by unit; ``None``: the model's own weights (``hf:PATH``:
     its folder's), or the seed for a model on meta."""
-    steps: int = field(default=300, metadata=flag("optimizer steps"))
-    """Optimizer steps to run in total (a resumed run stops at the same step)."""
+    steps: int = field(default=300, metadata=flag("optimizer steps in all (default {default}; --resume: the saved run's)"))
+    """Optimizer steps to run in total; a resumed run keeps the saved run's unless given, and its learning-rate
+    schedule whatever it is given ([Note: the schedule of a resumed run] in optim/schedule.py)."""
     batch_size: int = field(default=16, metadata=flag("sequences per micro-batch (per rank)", plans=True))
     """Sequences per micro-batch."""
     seq_len: int = field(default=128, metadata=flag("tokens per sequence", plans=True))
@@ -270,3 +274,21 @@ class TrainConfig:
             parent = os.path.dirname(os.path.abspath(self.json_log))
             if not os.path.isdir(parent):
                 raise ValueError(f"--json-log {self.json_log}: directory {parent} does not exist")
+
+
+def resumed_settings(saved: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The config keys of a run resumed from a checkpoint whose config is ``saved`` (``CheckpointReader.settings``),
+    ``overrides`` (flags, ``Engine.load``'s) on top; ``from_mapping(TrainConfig, ...)`` reads them. Each side is
+    read under the keys' current names before they merge ([Note: renamed config keys] in config.py); the saved
+    learning-rate schedule is kept whatever ``steps`` the overrides give, unless they give ``optim.schedule_steps``
+    ([Note: the schedule of a resumed run] in optim/schedule.py); the saved NVMe directory is not: it was that
+    run's (a scratch directory removed when it ended), and the resumed run names its own ([Note: missing
+    directories] in cli/dirs.py)."""
+    saved = upgrade_keys(TrainConfig, saved)
+    optim = dict(saved.get("optim") or {})
+    if optim.get("schedule_steps") is None:  # it ended at the run's steps (or the key is newer than the checkpoint)
+        optim["schedule_steps"] = saved.get("steps", TrainConfig.__dataclass_fields__["steps"].default)
+    offload = {key: value for key, value in (saved.get("offload") or {}).items() if key != "nvme_dir"}
+    out = merge({**saved, "optim": optim, "offload": offload}, upgrade_keys(TrainConfig, overrides))
+    out["offload"] = dict(out["offload"])  # the caller's to change (Engine.load names a scratch directory)
+    return out

@@ -32,7 +32,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from luwu_rt.config import from_mapping, merge, upgrade_keys
+from luwu_rt.config import from_mapping
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, new_run_id, run_checkpoints
 from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
 from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
-from luwu_rt.engine.config import TrainConfig
-from luwu_rt.fs import writable_dir
+from luwu_rt.engine.config import TrainConfig, resumed_settings
+from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
@@ -61,6 +62,19 @@ from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
 __all__ = ["Engine"]
+
+def _nothing() -> None:
+    pass
+
+
+def _remove_made(path: Path, *, top: Path, lock: DirLock) -> None:
+    """Removes an NVMe directory the engine created, its lock file too, then drops the lock: never before,
+    or another run could take a lock whose file is then removed under it ([Note: directory locks])."""
+    try:
+        remove_made(path, top=top)
+    finally:
+        lock.release()
+
 
 def _as_chain(model: Any) -> UnitChain:
     """``as_unit_chain``, plus factories: a callable (not a module) is called to build the model."""
@@ -81,7 +95,12 @@ class Engine:
 
     def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True,
                  init_from: str | os.PathLike | None = None) -> None:
-        self.config = config = config or TrainConfig()
+        config = config or TrainConfig()
+        if config.optim.schedule_steps is None:
+            # Where the cosine ends is part of the run's config: its checkpoints and the node's HELLO say it, and a
+            # resume keeps it ([Note: the schedule of a resumed run] in optim/schedule.py).
+            config = replace(config, optim=replace(config.optim, schedule_steps=config.steps))
+        self.config = config
         self.world: World = init_from_env(timeout_s=config.timeout_s)
         self._demo = (model if model is not None else config.model) == DEMO_MODEL  # built by name: the demo's budgets
         self.chain = _as_chain(model if model is not None else config.model)
@@ -90,7 +109,14 @@ class Engine:
         self.keep_graph = kept_units(config.keep_graphs, num_units=self.chain.num_units, device_type=self.device.type)
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
         self.model_spec = self._model_spec()
-        self._plan()
+        self._made_dirs: Callable[[], Any] = _nothing
+        """Removes the NVMe directory this engine created, once: at ``close``, or when the interpreter exits
+        (an engine never closed), or at once when the plan keeps nothing on NVMe."""
+        try:
+            self._plan()
+        except BaseException:
+            self._made_dirs()  # a run that does not fit leaves no directory behind
+            raise
         device_arena = self.store.arenas.get("device")
         # [Note: data parallelism in the engine]: gradients in fp32 across ranks, the loss scaled to the global mean.
         grad_dtype = torch.float32 if self.model_spec.grad_bytes == 4 else self.param_dtype  # as the plan sized them
@@ -125,11 +151,13 @@ class Engine:
             self._materialize()
 
     def close(self) -> None:
-        """Joins the queue threads and releases the store's IO engine; idempotent. The engine cannot
-        run steps afterwards."""
+        """Joins the queue threads, releases the store's IO engine and removes the NVMe directory this engine
+        created ([Note: missing directories] in cli/dirs.py); idempotent. The engine cannot run steps
+        afterwards."""
         self.optimizer.close()  # a node's: says BYE
         self.queues.close()
         self.store.close()
+        self._made_dirs()  # after the store closed the tier's files; a finalizer runs once
         for lock in getattr(self, "_dir_locks", {}).values():  # checkpoint directories save() locked
             lock.release()
         self._dir_locks = {}
@@ -155,7 +183,12 @@ class Engine:
         if off.nvme_dir:
             # Each rank its own directory: its own shards, its own disk bandwidth where D spans disks.
             base = Path(off.nvme_dir) / f"rank-{world.rank}" if world.distributed else Path(off.nvme_dir)
+            made = missing_top(base)
+            world.barrier()  # every rank has looked before any creates D: each knows whether the run made it
             writable_dir(base, flag="--nvme-dir")  # a file or an unwritable directory: one line, now
+            if made is not None and not off.keep_nvme_state:  # removed by close ([Note: missing directories])
+                lock = lock_dir(base, flag="--nvme-dir")  # held until the files (the lock file too) are gone
+                self._made_dirs = weakref.finalize(self, _remove_made, base, top=made, lock=lock)
             nvme_root = base / "luwu_state"
             # Every rank must plan from the same budgets to make the same plan: the smallest free space.
             nvme_bytes = int(world.all_reduce([shutil.disk_usage(base).free], "min")[0])
@@ -179,6 +212,8 @@ class Engine:
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
                                         io_backend=self.config.io_backend, also=(self.eval_plan,),
                                         scratch=not off.keep_nvme_state)
+        if self.store.nvme is None:
+            self._made_dirs()  # the plan keeps nothing on NVMe: no directory of ours in the way while it runs
 
     def _agree(self, result) -> None:
         """Every rank must run the same plan, or their collectives would not match: compare digests."""
@@ -370,25 +405,38 @@ class Engine:
 
     @classmethod
     def load(cls, directory: str | os.PathLike, model: Any = None, *, overrides: dict[str, Any] | None = None) -> "Engine":
-        """An engine restored from the checkpoint ``directory`` (a ``step_<N>`` directory).
-        ``overrides`` changes config keys (e.g. the number of steps, budgets or placement)."""
+        """An engine restored from the checkpoint ``directory`` (a ``step_<N>`` directory), to be closed
+        (``with Engine.load(path) as engine:``). ``overrides`` changes config keys (e.g. the number of steps,
+        budgets or placement) of the saved run's config, which the run otherwise keeps, its learning-rate
+        schedule too: more ``steps`` than the saved schedule's end run at ``min_lr`` unless ``overrides``
+        gives ``optim.schedule_steps`` ([Note: the schedule of a resumed run] in optim/schedule.py). The
+        saved run's NVMe directory is not reused: ``overrides`` may name one, else a run that had one gets a
+        fresh ``./luwu-scratch-*`` that ``close`` removes ([Note: missing directories] in cli/dirs.py)."""
         reader = CheckpointReader(directory)
         verify_checkpoint(reader, read_data=False)  # complete and self-consistent; data is checked as read
-        # Each side under the keys' current names before they merge ([Note: renamed config keys] in config.py).
-        config = from_mapping(TrainConfig, merge(upgrade_keys(TrainConfig, reader.settings),
-                                                 upgrade_keys(TrainConfig, overrides or {})))
-        engine = cls(model, config, materialize=False)
-        engine.run_id = reader.run_id  # a resumed run goes on owning its checkpoints
-        if engine._signature() != reader.meta["model"]:
-            raise ValueError(f"checkpoint {directory} holds a different model than the one given "
-                             f"(unit names or parameter shapes differ)")
-        for u in range(engine.chain.num_units):
-            n = engine.chain.num_unit_params(u)
-            # Whole or in slices, from any strategy and number of ranks; this rank keeps its part.
-            engine._write_unit(u, {state: reader.read_joined(f"u{u}.{state}", n).to(
-                                       engine.param_dtype if state == "param" else torch.float32)
-                                   for state in PERSISTENT})
-        engine.step = reader.meta["step"]
-        engine.optimizer.start_at(step=engine.step, adam_step=reader.meta["adam_step"])
+        settings = resumed_settings(reader.settings, overrides or {})
+        if (reader.settings.get("offload") or {}).get("nvme_dir") and not settings["offload"].get("nvme_dir"):
+            settings["offload"]["nvme_dir"] = scratch_name()  # created, and removed at close, by the engine
+        engine = cls(model, from_mapping(TrainConfig, settings), materialize=False)
+        try:
+            engine._restore(reader)
+        except BaseException:
+            engine.close()  # its threads, locks and the directory it made: the caller never gets it to close
+            raise
         return engine
+
+    def _restore(self, reader: CheckpointReader) -> None:
+        """Sets the store, the optimizer's state and the step from the checkpoint ``reader`` reads."""
+        self.run_id = reader.run_id  # a resumed run goes on owning its checkpoints
+        if self._signature() != reader.meta["model"]:
+            raise ValueError(f"checkpoint {reader.directory} holds a different model than the one given "
+                             f"(unit names or parameter shapes differ)")
+        for u in range(self.chain.num_units):
+            n = self.chain.num_unit_params(u)
+            # Whole or in slices, from any strategy and number of ranks; this rank keeps its part.
+            self._write_unit(u, {state: reader.read_joined(f"u{u}.{state}", n).to(
+                                     self.param_dtype if state == "param" else torch.float32)
+                                 for state in PERSISTENT})
+        self.step = reader.meta["step"]
+        self.optimizer.start_at(step=self.step, adam_step=reader.meta["adam_step"])
 

@@ -40,7 +40,7 @@ from luwu_rt.exec.executor import Handler, Views
 from luwu_rt.exec.norm import NormHandlers
 from luwu_rt.exec.optim import AdamWHandler, AdamWHyper
 from luwu_rt.optim.config import OptimConfig
-from luwu_rt.optim.schedule import lr_at
+from luwu_rt.optim.schedule import lr_at, schedule_end
 from luwu_rt.plan.ops import GLOBAL_UNIT, OptimStep, ShardId, ShardInfo
 
 __all__ = ["OptimizerStep", "StepOutcome", "StepResult"]
@@ -74,13 +74,15 @@ class OptimizerStep:
     """The handlers of a plan's ``OptimStep``, ``GradNorm`` and ``NormReduce`` ops and the step around them.
 
     ``shards``: the plan's shard map. ``optim``: AdamW's settings, the schedule and clipping;
-    ``total_steps``: the schedule's length; ``loss_scale``: what the gradients are scaled by (fp16);
+    ``total_steps``: the run's steps, where the cosine ends unless ``optim.schedule_steps`` says otherwise
+    ([Note: the schedule of a resumed run] in optim/schedule.py); ``loss_scale``: what the gradients are scaled by (fp16);
     ``adam_step``: updates applied before the first step run here (a resumed run's)."""
 
     def __init__(self, shards: Mapping[ShardId, ShardInfo], *, optim: OptimConfig, total_steps: int,
                  loss_scale: float, param_dtype: torch.dtype, grad_dtype: torch.dtype, adam_step: int = 0) -> None:
         self.optim = optim
-        self.total_steps = total_steps
+        self.total_steps = schedule_end(optim, steps=total_steps)
+        """The step at which the learning rate's cosine ends."""
         self.loss_scale = loss_scale
         self.adamw = AdamWHandler(shards, param_dtype=param_dtype, grad_dtype=grad_dtype)
         self.norms = NormHandlers(shards, grad_dtype=grad_dtype)

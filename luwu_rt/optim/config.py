@@ -19,6 +19,13 @@ class OptimConfig:
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to ``lr``."""
+    schedule_steps: int | None = field(default=None, metadata=flag(
+        "the step at which the cosine decay reaches min_lr, where the learning rate then stays (default: --steps; "
+        "a resumed run keeps its checkpoint's)", metavar="N"))
+    """The step at which warmup + cosine decay end at ``min_lr``; later steps run at ``min_lr``. ``None``: the
+    run's ``steps``. A checkpoint keeps the schedule of the run that wrote it: resuming with another number
+    of ``steps`` keeps it too, and only this key changes it ([Note: the schedule of a resumed run] in
+    optim/schedule.py)."""
     beta1: float = 0.9
     """First-moment decay."""
     beta2: float = 0.95
@@ -36,5 +43,8 @@ class OptimConfig:
             raise ValueError(f"optim: need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0 or self.eps <= 0:
             raise ValueError("optim: warmup_steps, grad_clip and weight_decay must be >= 0 and eps > 0")
+        if self.schedule_steps is not None and (isinstance(self.schedule_steps, bool) or self.schedule_steps < 1):
+            raise ValueError(f"optim.schedule_steps (--schedule-steps) must be a positive number of steps, got "
+                             f"{self.schedule_steps!r}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"optim: betas must be in [0, 1), got {self.beta1}, {self.beta2}")

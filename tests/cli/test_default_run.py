@@ -78,9 +78,10 @@ def test_a_run_that_needs_no_nvme_leaves_no_directory(tmp_path) -> None:
 
 
 def test_explicit_and_empty_nvme_dir(tmp_path) -> None:
-    """An explicit --nvme-dir keeps its behaviour (no scratch; the directory stays, its files go); an
-    empty one is one clear line."""
+    """An explicit --nvme-dir keeps its behaviour (no scratch; a directory that existed stays, its files go);
+    an empty one is one clear line."""
     nv = tmp_path / "nv"
+    nv.mkdir()
     r = _luwu("train", *SHORT, "--nvme-dir", str(nv), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"optimizer state on nvme at {nv} (" in r.stderr and _scratches(tmp_path) == []

@@ -84,7 +84,8 @@ GIVEN = {"--model": "gpt-small", "--init-from": "w.safetensors", "--steps": "7",
          "--timeout": "12.5", "--data": "d.bin", "--data-dtype": "uint32", "--tokenizer": "tok",
          "--text-field": "body", "--offload-params": "host", "--offload-optimizer": "nvme", "--offload-grads": "host",
          "--device-mem": "1GiB", "--host-mem": "2GiB", "--nvme-dir": "nv", "--keep-nvme-state": None,
-         "--chunk-size": "64KiB", "--lr": "0.0001", "--grad-clip": "0.5", "--ckpt-dir": "ck", "--ckpt-every": "3",
+         "--chunk-size": "64KiB", "--lr": "0.0001", "--schedule-steps": "40", "--grad-clip": "0.5", "--ckpt-dir": "ck",
+         "--ckpt-every": "3",
          "--resume": None}
 
 

@@ -15,12 +15,41 @@ def _luwu(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "luwu_rt", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_train_creates_a_missing_nvme_dir_says_so_and_removes_its_scratch(tmp_path) -> None:
+def test_train_creates_a_missing_nvme_dir_says_so_and_removes_it(tmp_path) -> None:
+    """Issue 19 item 6: one rule for every command ([Note: missing directories]): what a run created it
+    removes at exit, as the benchmarks do; before, train kept the directory with its lock file inside."""
     nv = tmp_path / "not" / "yet"
     r = _luwu("train", *SMALL, "--nvme-dir", str(nv))
     assert r.returncode == 0, r.stderr
-    assert f"creating --nvme-dir {nv}" in r.stderr and "optimizer state on nvme" in r.stderr
-    assert nv.is_dir() and not (nv / "luwu_state").exists()  # the lock file stays, as locks.py explains
+    assert f"creating --nvme-dir {nv} (it did not exist; removed at exit)" in r.stderr
+    assert "optimizer state on nvme" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # both levels it made
+
+
+def test_an_existing_nvme_dir_stays(tmp_path) -> None:
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    r = _luwu("train", *SMALL, "--nvme-dir", str(nv))
+    assert r.returncode == 0, r.stderr
+    assert "creating" not in r.stderr
+    assert nv.is_dir() and not (nv / "luwu_state").exists()  # its files go; the lock file stays ([Note: directory locks])
+
+
+def test_a_created_nvme_dir_of_several_ranks_is_removed(tmp_path) -> None:
+    """Each rank removes its D/rank-<r>; the last one out removes D. (The ranks get --stop-after too.)"""
+    nv = tmp_path / "not" / "yet"
+    r = _luwu("train", *SMALL, "--nvme-dir", str(nv), "--nproc", "2", "--strategy", "ddp", "--stop-after", "1")
+    assert r.returncode == 0, r.stderr
+    assert "creating --nvme-dir" in r.stderr and list(tmp_path.iterdir()) == []
+    assert "stopped after step 1 of 2 (--stop-after)" in r.stderr, r.stderr
+
+
+def test_a_created_nvme_dir_is_kept_with_keep_nvme_state(tmp_path) -> None:
+    nv = tmp_path / "made"
+    r = _luwu("train", *SMALL, "--nvme-dir", str(nv), "--keep-nvme-state")
+    assert r.returncode == 0, r.stderr
+    assert f"creating --nvme-dir {nv} (it did not exist; kept: --keep-nvme-state)" in r.stderr
+    assert any((nv / "luwu_state").iterdir())
 
 
 def test_keep_nvme_state_keeps_it(tmp_path) -> None:
