@@ -19,7 +19,12 @@ from pathlib import Path
 from luwu_rt.ckpt.format import MANIFEST, CheckpointReader, list_checkpoints
 from luwu_rt.ckpt.save import verify_checkpoint
 
-__all__ = ["check_steps", "choose_checkpoint"]
+__all__ = ["RunComplete", "check_steps", "choose_checkpoint"]
+
+
+class RunComplete(Exception):
+    """A resume of a run that already ran all its steps: nothing to do, which is not an error (a job that
+    reruns ``--resume-if-exists`` until it succeeds must see success); the message says how to go further."""
 
 
 def choose_checkpoint(directory: str, *, resume: bool, if_exists: bool, say: Callable[[str], None]) -> Path | None:
@@ -56,15 +61,16 @@ def choose_checkpoint(directory: str, *, resume: bool, if_exists: bool, say: Cal
 
 
 def check_steps(path: Path, *, step: int, steps: int, given: bool) -> None:
-    """The resumed run must go beyond the checkpoint's ``step``: one that would do nothing is an error.
-    ``steps``: where it ends; ``given``: whether the user gave them (else they are the saved run's own)."""
+    """The resumed run must go beyond the checkpoint's ``step``: ``--steps`` that would do nothing are an error;
+    a run that ran all its own steps raises ``RunComplete``. ``steps``: where it ends; ``given``: whether the
+    user gave them (else they are the saved run's own)."""
     if steps > step:
         return
     if given:
         raise ValueError(f"--steps {steps} is not beyond step {step} of the checkpoint {path}; "
                          f"give --steps above {step} to train further")
     # The saved run's own --steps: it ran them all ([Note: the schedule of a resumed run] in optim/schedule.py).
-    raise ValueError(f"the run in {path.parent} is complete: its checkpoint {path.name} is at step {step} of its "
+    raise RunComplete(f"the run in {path.parent} is complete: its checkpoint {path.name} is at step {step} of its "
                      f"{steps}; to train further give --steps N above {step} (the steps past the learning-rate "
                      f"schedule's end run at its min_lr; add --schedule-steps N to stretch the cosine to step N)")
 

@@ -112,6 +112,17 @@ def _build(args: argparse.Namespace):
         return Engine.load(start, overrides=settings)
 
 
+def _built(args: argparse.Namespace):
+    """``_build``, or ``None`` for a resume of a run that is complete (said, and not an error)."""
+    from luwu_rt.ckpt.resume import RunComplete
+
+    try:
+        return _build(args)
+    except RunComplete as done:
+        _say(f"luwu: {done}")
+        return None
+
+
 def _say(line: str) -> None:
     """A line on stderr from the first rank only (every rank of a multi-rank run runs this code)."""
     import os
@@ -280,7 +291,9 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
             return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
         if world_size > 1:
             def train() -> int:
-                engine = _build(args)
+                engine = _built(args)
+                if engine is None:
+                    return 0
                 code = _train(engine, args)
                 # Not in a finally: after a failed step the queue threads may be stuck in collectives, and
                 # run_rank exits the process without waiting for them.
@@ -288,7 +301,9 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
                 return code
 
             return run_rank(train, timeout_s=timeout)
-    engine = _build(args)
+    engine = _built(args)
+    if engine is None:
+        return 0
     if getattr(args, "scratch", None) is not None and engine.store.nvme is None:
         args.scratch.remove()  # the plan keeps nothing on NVMe: no empty directory in the way while it runs
     try:

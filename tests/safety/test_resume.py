@@ -81,11 +81,16 @@ def test_stop_and_resume_ends_where_the_uninterrupted_run_ends(tmp_path) -> None
     ta, tb = _tensors(whole / "step_00000006"), _tensors(parts / "step_00000006")
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
-    # The run is complete: a --resume without --steps says so and how to go on, not "--steps 6 is not beyond".
-    r = luwu("train", "--resume", "--ckpt-dir", str(parts), "--quiet")
-    one_line_error(r, f"the run in {parts} is complete", "at step 6 of its 6", "give --steps N above 6",
-                   "--schedule-steps N")
-    assert "is not beyond" not in r.stderr
+    # The run is complete: a --resume without --steps says so and how to go on, not "--steps 6 is not beyond",
+    # and exits 0 (nothing to do is not a failure: a job rerunning --resume-if-exists until it succeeds stops).
+    for flag in ("--resume", "--resume-if-exists"):
+        r = luwu("train", flag, "--ckpt-dir", str(parts), "--quiet")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+        for needle in (f"the run in {parts} is complete", "at step 6 of its 6", "give --steps N above 6",
+                       "--schedule-steps N"):
+            assert needle in r.stderr, (needle, r.stderr)
+        assert "is not beyond" not in r.stderr
+        assert not (parts / "step_00000007").exists()
 
 
 def test_more_steps_after_the_schedule_run_at_min_lr_unless_told(tmp_path) -> None:
