@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from luwu_rt.config import flag
 from luwu_rt.data import DataConfig
+from luwu_rt.plan.dtypes import DTYPE_NAMES
 from luwu_rt.engine.budgets import auto_help
 from luwu_rt.io.engine import BACKENDS
 from luwu_rt.models.presets import PRESETS
@@ -24,8 +25,8 @@ __all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig"]
 
 _TIERS = ("device", "host", "nvme", "auto")
 """Values of the ``offload`` placements (``--offload-*``)."""
-_DTYPES = ("fp32", "bf16", "fp16")
-"""Values of ``TrainConfig.dtype`` (``--dtype``)."""
+_DTYPES = tuple(DTYPE_NAMES)
+"""Values of ``TrainConfig.dtype`` (``--dtype``): the compute dtypes ([Note: dtype names] in luwu_rt/plan/dtypes.py)."""
 _STRATEGY_CHOICES = ("auto",) + STRATEGIES
 """Values of ``TrainConfig.strategy`` (``--strategy``)."""
 _KEEP_GRAPHS_WORDS = ("auto", "all", "none")

@@ -50,7 +50,8 @@ from luwu_rt.engine.config import TrainConfig
 from luwu_rt.fs import writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
-from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
+from luwu_rt.engine.workload import config_model_spec, kept_units
+from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.exec import Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, busy_by_queue
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
@@ -86,7 +87,7 @@ class Engine:
         self._demo = (model if model is not None else config.model) == DEMO_MODEL  # built by name: the demo's budgets
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.param_dtype = COMPUTE_DTYPES[config.dtype]
+        self.param_dtype = torch_dtype(config.dtype)
         self.keep_graph = kept_units(config.keep_graphs, num_units=self.chain.num_units, device_type=self.device.type)
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
         self.model_spec = self._model_spec()

@@ -112,17 +112,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from luwu_rt.engine.compute import _as_unit_input, _differentiate
+from luwu_rt.kernels.dtypes import COMPUTE_DTYPES, torch_dtype
 from luwu_rt.models.units import UnitChain
 from luwu_rt.plan.spec import ModelSpec, UnitSpec
 
 if TYPE_CHECKING:
     from luwu_rt.engine.config import TrainConfig
 
-__all__ = ["COMPUTE_DTYPES", "ActivationEstimate", "config_model_spec", "device_budget", "kept_units", "measure_activations", "train_model_spec",
+__all__ = ["ActivationEstimate", "config_model_spec", "device_budget", "kept_units", "measure_activations", "train_model_spec",
            "unit_specs"]
-
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``TrainConfig.dtype`` names: the engine computes in the parameters' dtype, without autocast."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -250,11 +248,9 @@ def measure_activations(chain: UnitChain, *, batch_size: int, seq_len: int, dtyp
 
 def _compute_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
-        if dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
-        return COMPUTE_DTYPES[dtype]
+        return torch_dtype(dtype)
     if dtype not in COMPUTE_DTYPES.values():
-        raise ValueError(f"dtype={dtype}: the engine computes in torch.float32, torch.bfloat16 or torch.float16")
+        raise ValueError(f"dtype={dtype}: the engine computes in {', '.join(map(str, COMPUTE_DTYPES.values()))}")
     return dtype
 
 

@@ -57,6 +57,7 @@ import struct
 from dataclasses import dataclass
 
 from luwu_rt._C import crc32c
+from luwu_rt.plan.dtypes import ELEMENT_BYTES
 
 __all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError", "T", "VERSION",
            "F", "decode", "encode"]
@@ -96,8 +97,10 @@ class F:
     ALL = DUPLICATE | BYE | LAST | UNCHECKED
 
 
-DTYPES = {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 2), 4: ("json", 1), 5: ("utf8", 1),
-          6: ("float64", 8)}
+_DTYPE_CODE_NAMES = ("none", "float32", "bfloat16", "float16", "json", "utf8", "float64")
+"""The header's dtype codes, by position: the wire's numbering, appended to only. Tensor payloads are named as
+in [Note: dtype names] (plan/dtypes.py), the others are bytes: none, JSON, a UTF-8 line."""
+DTYPES = {code: (name, ELEMENT_BYTES.get(name, 1)) for code, name in enumerate(_DTYPE_CODE_NAMES)}
 """dtype code -> (name, bytes per element)."""
 DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
 INIT_STATES = ("master", "exp_avg", "exp_avg_sq")

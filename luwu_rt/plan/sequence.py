@@ -39,13 +39,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .dtypes import ELEMENT_BYTES, FIXED_STATE_DTYPES
 from .ops import GLOBAL_UNIT, Compute, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
 from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
 
 __all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points", "group_members",
            "home_of"]
 
-NORM_BYTES = 8
+NORM_BYTES = ELEMENT_BYTES[FIXED_STATE_DTYPES["norm"]]
 """A squared norm is one float64."""
 
 
@@ -87,11 +88,12 @@ def final_points(reads: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...
 
 
 def element_bytes(model: ModelSpec, state: str) -> int:
+    """Bytes per element of shard kind ``state`` ([Note: dtype names] in dtypes.py)."""
     if state.startswith("param"):
         return model.param_bytes
     if state.startswith("grad"):
         return model.grad_bytes
-    return NORM_BYTES if state == "norm" else 4
+    return ELEMENT_BYTES[FIXED_STATE_DTYPES[state]]
 
 
 def home_of(state: str, placement: Placement) -> str:

@@ -14,12 +14,12 @@ from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
 from luwu_rt.engine.compute import InputStore, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.workload import (
-    COMPUTE_DTYPES,
     device_budget,
     kept_units,
     measure_activations,
     train_model_spec,
 )
+from luwu_rt.kernels.dtypes import COMPUTE_DTYPES
 from luwu_rt.models.gpt import build_gpt
 from luwu_rt.models.units import UnitChain, chain_from_sequential
 from luwu_rt.plan import parse_size
