@@ -199,9 +199,9 @@ class TrainConfig:
     strategy: str = field(default="auto", metadata=flag(
         "data-parallel strategy with several ranks (default {default}: the fastest predicted that fits; one rank "
         "runs local; node: workers and an optimizer node)", choices=_STRATEGY_CHOICES, plans=True))
-    """Data-parallel strategy when several ranks run (``torchrun`` or ``luwu train --nproc N``): ``ddp``,
-    ``zero1``, ``zero2``, ``zero3`` or ``hsdp``; ``auto`` lets the planner pick the fastest that fits.
-    One rank always runs ``local``."""
+    """Strategy when several ranks run (``torchrun`` or ``luwu train --nproc N``), one of ``STRATEGIES``
+    (plan/spec.py): a data-parallel one, or ``node`` (workers and an optimizer node, ``node``); ``auto`` lets
+    the planner pick the fastest data-parallel one that fits. One rank always runs ``local``."""
     node: str | None = field(default=None, metadata=flag(
         "strategy node: the optimizer node's address, tcp://HOST:PORT of a luwu node serve", metavar="ADDR"))
     """Strategy ``node``: the optimizer node's ZeroMQ address (``tcp://127.0.0.1:5555``), a ``luwu node serve``

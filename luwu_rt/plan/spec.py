@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "STRATEGIES", "RUNNABLE_STRATEGIES", "ALIGN_BYTES",
+    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "DATA_PARALLEL", "STRATEGIES", "ALIGN_BYTES",
     "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy",
 ]
 
@@ -23,10 +23,12 @@ STATE_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
 PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
 """Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it."""
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
-STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
-RUNNABLE_STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
-"""Strategies ``luwu train`` can run today (``node`` with a ``luwu node serve``); ``luwu plan`` says so
-for any other, whose plans are predictions only."""
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+"""The strategies of several ranks that each run the optimizer on their own copy or shard of the state:
+``TrainConfig.strategy == "auto"`` picks among them (engine/strategy.py)."""
+STRATEGIES = ("local", *DATA_PARALLEL, "node")
+"""Every strategy, the one list the planner, ``TrainConfig.strategy`` (``--strategy``) and the CLI's help
+take theirs from: one process (``local``), the data-parallel family, and workers with an optimizer node."""
 PLACEMENT_CHOICES = ("device", "host", "nvme", "auto")
 ALIGN_BYTES = 4096
 """O_DIRECT alignment: every state buffer and chunk is a multiple of this."""
@@ -256,7 +258,7 @@ class Strategy:
     """Data-parallel strategy and the world this rank belongs to."""
 
     name: str = "local"
-    """One of ``local``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, ``node``."""
+    """One of ``STRATEGIES``: ``local``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, ``node``."""
     world_size: int = 1
     """Data-parallel ranks (workers, for ``node``)."""
     group_size: int = 0
@@ -267,7 +269,8 @@ class Strategy:
             raise ValueError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGIES)}")
         _check_positive("Strategy", world_size=self.world_size)
         if self.name == "local" and self.world_size != 1:
-            raise ValueError(f"strategy local runs one process; world_size={self.world_size} needs ddp, zero1/2/3, hsdp or node")
+            raise ValueError(f"strategy local runs one process; world_size={self.world_size} needs one of "
+                             f"{', '.join(s for s in STRATEGIES if s != 'local')}")
         if self.group_size < 0 or self.world_size % self.shard_ways:
             raise ValueError(f"hsdp group size {self.shard_ways} must divide world_size={self.world_size}; "
                              f"set group_size to a divisor")

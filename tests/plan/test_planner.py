@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from luwu_rt.models.presets import get_preset
-from luwu_rt.plan import (Budgets, Compute, Load, ModelSpec, OptimStep, Placement, Store, Strategy, UnitSpec,
-                          gpt_model_spec, lower_bounds, plan_step, validate)
+from luwu_rt.plan import (STRATEGIES, Budgets, Compute, Load, ModelSpec, OptimStep, Placement, Store, Strategy,
+                          UnitSpec, gpt_model_spec, lower_bounds, plan_step, validate)
 from luwu_rt.plan.sequence import build_layout
 
 CLEAR_ERROR = re.compile(r"too small|smaller than")
@@ -47,7 +47,7 @@ def models(draw, *, equal_sizes: bool = False, shared: bool = False) -> ModelSpe
 
 @st.composite
 def strategies_(draw) -> Strategy:
-    name = draw(st.sampled_from(["local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node"]))
+    name = draw(st.sampled_from(STRATEGIES))
     world = 1 if name == "local" else draw(st.sampled_from([2, 4, 8]))
     return Strategy(name=name, world_size=world, group_size=2 if name == "hsdp" else 0)
 
