@@ -48,7 +48,8 @@ Per message type (W: worker -> node, N: node -> worker):
   STATE      N  those fp32 bytes at ``offset``, ``chunk`` = the state's index; flag
                 ``LAST`` on the final one.
   ERROR      N  payload: a UTF-8 line naming the problem and the fix.
-  SNAPSHOT   reserved (snapshots are files: [Note: node snapshots] in snapshot.py).
+Type 7 was SNAPSHOT, reserved and never sent (snapshots are files: [Note: node snapshots] in snapshot.py);
+it has no name now, so it decodes as an unknown type, and its number stays unused so the others keep theirs.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ back in TCP, not in the node's memory."""
 class T:
     """Message types."""
 
-    (HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT, SNAPSHOT, ERROR, ACK, INIT, STATS, NORM, BEGIN,
-     GET_STATE, STATE) = range(1, 16)
-    NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT", 7: "SNAPSHOT",
+    HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT = range(1, 7)
+    # 7 was SNAPSHOT, never sent: unused, so that the types after it keep their numbers on the wire.
+    ERROR, ACK, INIT, STATS, NORM, BEGIN, GET_STATE, STATE = range(8, 16)
+    NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT",
              8: "ERROR", 9: "ACK", 10: "INIT", 11: "STATS", 12: "NORM", 13: "BEGIN", 14: "GET_STATE", 15: "STATE"}
 
 

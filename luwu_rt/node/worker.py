@@ -55,10 +55,7 @@ from .client import NodeClient, NodeError, NodeLost
 from .protocol import INIT_STATES
 from .shards import slice_of
 
-__all__ = ["NodeWorker", "WORKER_STATES"]
-
-WORKER_STATES = ("param", "grad")
-"""What a worker of strategy node keeps in its store."""
+__all__ = ["NodeWorker"]
 
 
 class NodeWorker:
