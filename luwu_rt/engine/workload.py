@@ -145,10 +145,11 @@ class ActivationEstimate:
     """Of ``kept_bytes``, the copies of parameters that kept graphs save."""
 
 
-def unit_specs(chain: UnitChain) -> tuple[UnitSpec, ...]:
-    """The planner's view of ``chain``'s units: sizes, reads, and 2 FLOPs per parameter per token."""
+def unit_specs(chain: UnitChain, *, seq_len: int) -> tuple[UnitSpec, ...]:
+    """The planner's view of ``chain``'s units: sizes, reads, and the forward FLOPs per token of sequences of
+    ``seq_len`` tokens that the chain counts ([Note: FLOPs of a unit] in plan/spec.py)."""
     units = tuple(UnitSpec(name=chain.names[i], num_params=chain.num_unit_params(i), reads=chain.reads(i),
-                           flops_per_token=2 * chain.num_unit_params(i))
+                           flops_per_token=chain.flops_per_token(i, seq_len=seq_len))
                   for i in range(chain.num_units) if chain.num_unit_params(i) > 0)
     if len(units) != chain.num_units:
         empty = [chain.names[i] for i in range(chain.num_units) if chain.num_unit_params(i) == 0]
@@ -179,7 +180,7 @@ def train_model_spec(chain: UnitChain, *, batch_size: int, seq_len: int, chunk_b
     the measured activation peak of ``measure_activations`` as the device reserve. With ``world_size`` > 1
     the gradients are fp32, as ranks reduce them ([Note: data parallelism in the engine])."""
     compute_dtype = _compute_dtype(dtype)
-    units = unit_specs(chain)
+    units = unit_specs(chain, seq_len=seq_len)
     activations = measure_activations(chain, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                                       dtype=compute_dtype, keep_graph=keep_graph, snapshot_units=snapshot_units,
                                       example=example)

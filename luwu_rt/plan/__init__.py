@@ -31,7 +31,7 @@ from .search import DoesNotFit, PlanResult, Remedy, fitting_budgets, plan_auto, 
 from .sizes import flag_size, format_size, parse_size
 from .gpt import gpt_model_spec
 from .spec import (DATA_PARALLEL, STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement,
-                   Strategy, UnitSpec)
+                   Strategy, UnitSpec, forward_flops_per_token)
 from .validate import PlanError, validate, validate_ranks
 
 __all__ = [
@@ -41,6 +41,6 @@ __all__ = [
     "DATA_PARALLEL", "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy",
     "SwapPlan", "TIERS",
     "UnitSpec", "collective_seconds", "estimate", "fitting_budgets", "flag_size", "format_ops", "format_size",
-    "gpt_model_spec", "lower_bounds", "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
+    "forward_flops_per_token", "gpt_model_spec", "lower_bounds", "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
     "push_order", "validate", "validate_ranks",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = [
     "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "DATA_PARALLEL", "STRATEGIES", "ALIGN_BYTES",
-    "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy",
+    "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy", "forward_flops_per_token",
 ]
 
 TIERS = ("device", "host", "nvme")
@@ -51,12 +51,32 @@ class UnitSpec:
     reads: tuple[int, ...] = ()
     """Other units whose parameters this unit's compute reads: a tied head reads the embedding."""
     flops_per_token: int = 0
-    """Forward FLOPs per token; backward with recompute costs three times this."""
+    """Forward FLOPs per token (``forward_flops_per_token``); backward with recompute costs three times this."""
 
     def __post_init__(self) -> None:
         _check_positive(f"UnitSpec({self.name})", num_params=self.num_params)
         if self.flops_per_token < 0:
             raise ValueError(f"UnitSpec({self.name}).flops_per_token must not be negative")
+
+
+def forward_flops_per_token(*, matmul_params: int, seq_len: int = 0, attention_width: int = 0) -> int:
+    """Forward FLOPs per token of one unit ([Note: FLOPs of a unit]): ``matmul_params`` parameters that
+    multiply the token's activations, and a causal self-attention of ``attention_width`` query/key features
+    over sequences of ``seq_len`` tokens (0: none).
+
+    [Note: FLOPs of a unit]
+    Kaplan et al. (2020), table 1: a forward pass costs 2 FLOPs per token for every weight the token's
+    activations are multiplied by (a multiply and an add), plus 2 x n_ctx x d_attn per attention layer for
+    the attention scores, which no parameter stands for. Two consequences decide what a unit counts: a table
+    the unit only looks rows up in (a token embedding) multiplies nothing and counts 0, and a matrix the unit
+    reads from another one (a tied head's output matrix is the embedding's) counts where it multiplies. This
+    is the one formula: the built-in GPT's closed form (plan/gpt.py) and every chain the engine trains
+    (``UnitChain.flops_per_token``, models/units.py) fill ``UnitSpec.flops_per_token`` through it.
+    """
+    if min(matmul_params, seq_len, attention_width) < 0:
+        raise ValueError(f"matmul_params={matmul_params}, seq_len={seq_len} and attention_width={attention_width} "
+                         "must not be negative")
+    return 2 * matmul_params + 2 * seq_len * attention_width
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -60,6 +60,18 @@ def test_meta_buffer_cannot_be_materialized() -> None:
         chain_from_sequential([bn]).materialize(0, seed=0)
 
 
+def test_flops_count_what_multiplies_and_not_the_lookups() -> None:
+    """[Note: FLOPs of a unit]: 2 per parameter a token is multiplied by; the embedding looks rows up (0);
+    the tied head multiplies by the embedding it holds (64 x 16); a generic chain sees no attention."""
+    chain = _meta_tied_sequential()
+    assert [chain.flops_per_token(i, seq_len=128) for i in range(4)] == [0, 2 * (16 * 16 + 16), 2 * 32, 2 * 64 * 16]
+    # A read declared rather than held (the unit reaches the other's weights in run) counts the read unit whole.
+    with torch.device("meta"):
+        units = [nn.Linear(8, 8), nn.LayerNorm(8)]
+    declared = UnitChain(units, reads={1: (0,)})
+    assert declared.flops_per_token(1, seq_len=1) == 2 * (16 + 72)
+
+
 def test_bad_reads_and_names_are_rejected() -> None:
     with pytest.raises(ValueError, match="cannot read unit 5"):
         UnitChain([nn.Identity(), nn.Identity()], reads={1: (5,)})
