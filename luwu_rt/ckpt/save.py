@@ -124,7 +124,8 @@ def verify_checkpoint(reader: CheckpointReader, *, read_data: bool) -> int:
         param_dtype = torch_dtype(reader.meta["config"]["dtype"])
         steps = (reader.meta["step"], reader.meta["adam_step"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: checkpoint metadata lacks or garbles {exc}; resume from an older checkpoint") from None
+        raise ValueError(f"{where}: checkpoint metadata lacks or garbles {exc}; "
+                         "resume from an older checkpoint") from None
     if steps[0] != reader.step or not (isinstance(steps[1], int) and 0 <= steps[1] <= steps[0]):
         raise ValueError(f"{where}: checkpoint steps disagree (step {reader.step}, meta {steps}); it is corrupt")
     seen: set[str] = set()
@@ -140,7 +141,8 @@ def verify_checkpoint(reader: CheckpointReader, *, read_data: bool) -> int:
                                      f"{str(want).removeprefix('torch.')}; the checkpoint is corrupt")
                 held += _numel(entry["shape"])
             if held < n:
-                raise ValueError(f"{where}: u{u}.{state} holds {held} values, the model needs {n}; the checkpoint is corrupt")
+                raise ValueError(f"{where}: u{u}.{state} holds {held} values, the model needs {n}; "
+                                 "the checkpoint is corrupt")
             if read_data:
                 reader.read_joined(f"u{u}.{state}", n)
             seen.update(parts)

@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="list: checkpoints under DIR; verify: check every checksum; export: write a state dict")
     parser.add_argument("path", help="checkpoint root (list) or a step_<N> directory (verify, export); "
                                      "a root means its latest checkpoint")
-    parser.add_argument("--out", default=None, help="export: output file (.safetensors, or anything else for torch.save)")
+    parser.add_argument("--out", default=None,
+                        help="export: output file (.safetensors, or anything else for torch.save)")
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPE_NAMES), help="export: dtype (default fp32)")
     parser.add_argument("--format", default="file", choices=("file", "hf"),
                         help="export: file (a state dict in --out FILE) or hf (a Hugging Face model folder --out DIR "

@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         node.add_argument(f"--node-offload-{state}", default=None, choices=_NODE_TIER_CHOICES,
                           help=f"home tier of the node's {state} (default auto: fastest that fits)")
     parser.add_argument("--profile", default=None, metavar="JSON", help=_profile_help())
-    parser.add_argument("--policy", default="belady", choices=("belady", "lru"), help="eviction policy (default belady)")
+    parser.add_argument("--policy", default="belady", choices=("belady", "lru"),
+                        help="eviction policy (default belady)")
     parser.add_argument("--show-ops", type=int, default=0, metavar="N", help=_SHOW_OPS_HELP)
     parser.add_argument("--ops-from", default="0", metavar="I|backward",
                         help="first op --show-ops prints: an op index, or 'backward' for the ops after the last "

@@ -26,7 +26,7 @@ __all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig"]
 _TIERS = ("device", "host", "nvme", "auto")
 """Values of the ``offload`` placements (``--offload-*``)."""
 _DTYPES = tuple(DTYPE_NAMES)
-"""Values of ``TrainConfig.dtype`` (``--dtype``): the compute dtypes ([Note: dtype names] in luwu_rt/plan/dtypes.py)."""
+"""Values of ``TrainConfig.dtype`` (``--dtype``): the compute dtypes ([Note: dtype names] in plan/dtypes.py)."""
 _STRATEGY_CHOICES = ("auto",) + STRATEGIES
 """Values of ``TrainConfig.strategy`` (``--strategy``)."""
 _KEEP_GRAPHS_WORDS = ("auto", "all", "none")
@@ -71,7 +71,8 @@ class OffloadConfig:
     graph kept) leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the
     optimizer state as well (9.9 MiB more), so the run uses the device tier for real."""
     host_mem_bytes: int | str = field(default="auto", metadata=flag(
-        f"pinned host budget, e.g. 200GiB (default {auto_help('host')})", name="--host-mem", metavar="SIZE", plans=True))
+        f"pinned host budget, e.g. 200GiB (default {auto_help('host')})", name="--host-mem", metavar="SIZE",
+        plans=True))
     """Pinned host arena budget in bytes. ``"auto"``: a share of this machine's RAM, or 6 MiB for the demo
     model gpt-tiny, below its optimizer state (9.9 MiB) but holding one unit's share of it while that unit
     is updated, so the planner itself must put the optimizer state on NVMe: ``luwu train`` alone uses all
@@ -240,8 +241,8 @@ class TrainConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         if not self.loss_scale > 0:
             raise ValueError(f"loss_scale must be positive, got {self.loss_scale}")
-        if not (self.keep_graphs in _KEEP_GRAPHS_WORDS
-                or (isinstance(self.keep_graphs, int) and not isinstance(self.keep_graphs, bool) and self.keep_graphs >= 0)):
+        count = isinstance(self.keep_graphs, int) and not isinstance(self.keep_graphs, bool) and self.keep_graphs >= 0
+        if not (self.keep_graphs in _KEEP_GRAPHS_WORDS or count):
             raise ValueError(f"keep_graphs={self.keep_graphs!r}: choose auto, all, none or a number of units >= 0")
         if self.strategy not in _STRATEGY_CHOICES:
             raise ValueError(f"strategy={self.strategy!r}: choose one of {', '.join(_STRATEGY_CHOICES)}")

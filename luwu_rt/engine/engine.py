@@ -96,8 +96,9 @@ class Engine:
         # [Note: data parallelism in the engine]: gradients in fp32 across ranks, the loss scaled to the global mean.
         grad_dtype = torch.float32 if self.model_spec.grad_bytes == 4 else self.param_dtype  # as the plan sized them
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=grad_dtype,
-                                   config=UnitwiseConfig(loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
-                                                         keep_graph=self.keep_graph),
+                                   config=UnitwiseConfig(
+                                       loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
+                                       keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
                                    at_risk=params_at_risk(self.plan),
                                    step_rng=StepRng(seed=config.seed, rank=self.world.rank))
@@ -168,7 +169,8 @@ class Engine:
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size)
-        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets, placement=placement)
+        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets,
+                                            placement=placement)
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
@@ -219,7 +221,8 @@ class Engine:
                              param_dtype=self.param_dtype, grad_dtype=grad_dtype)
         collectives = {}
         if self.world.distributed:
-            groups = {q: TorchGroup(pg) for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
+            groups = {q: TorchGroup(pg)
+                      for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
             collectives = CollectiveHandlers(self.plan.shards, groups=groups, param_dtype=self.param_dtype,
                                              grad_dtype=grad_dtype, norms=step.norms).handlers()
         return LocalOptimizer(step, store=self.store, all_reduce=self.world.all_reduce, collectives=collectives)
@@ -299,7 +302,8 @@ class Engine:
         else:
             batches = list(batch) if isinstance(batch, list) else [batch]
         if len(batches) != c.grad_accum:
-            raise ValueError(f"train_step got {len(batches)} micro-batches; the plan was made for grad_accum={c.grad_accum}")
+            raise ValueError(f"train_step got {len(batches)} micro-batches; "
+                             f"the plan was made for grad_accum={c.grad_accum}")
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         self.compute.begin(batches, step=step)  # [Note: dropout is drawn by step]
         self.optimizer.begin_step(step)
@@ -346,7 +350,8 @@ class Engine:
         parameters appear in the whole model's ``state_dict`` (for export)."""
         whole = getattr(self.chain, "model", None)
         prefixes = {id(m): name for name, m in whole.named_modules()} if isinstance(whole, nn.Module) else {}
-        return {"units": [{"name": self.chain.names[u], "prefix": prefixes.get(id(self.chain.units[u]), self.chain.names[u]),
+        return {"units": [{"name": self.chain.names[u],
+                           "prefix": prefixes.get(id(self.chain.units[u]), self.chain.names[u]),
                            "params": [[n, list(p.shape)] for n, p in self.chain.named_own_params(u)]}
                           for u in range(self.chain.num_units)]}
 
@@ -370,7 +375,8 @@ class Engine:
         return path
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, model: Any = None, *, overrides: dict[str, Any] | None = None) -> "Engine":
+    def load(cls, directory: str | os.PathLike, model: Any = None, *,
+             overrides: dict[str, Any] | None = None) -> "Engine":
         """An engine restored from the checkpoint ``directory`` (a ``step_<N>`` directory).
         ``overrides`` changes config keys (e.g. the number of steps, budgets or placement)."""
         reader = CheckpointReader(directory)

@@ -119,8 +119,8 @@ from luwu_rt.plan.spec import ModelSpec, UnitSpec
 if TYPE_CHECKING:
     from luwu_rt.engine.config import TrainConfig
 
-__all__ = ["ActivationEstimate", "config_model_spec", "device_budget", "kept_units", "measure_activations", "train_model_spec",
-           "unit_specs"]
+__all__ = ["ActivationEstimate", "config_model_spec", "device_budget", "kept_units", "measure_activations",
+           "train_model_spec", "unit_specs"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -197,7 +197,8 @@ def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: s
     device budget it needs is ``activation_bytes`` plus the arena it leaves for shards."""
     return train_model_spec(chain, batch_size=config.batch_size, seq_len=config.seq_len,
                             grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_bytes, dtype=config.dtype,
-                            keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units, device_type=device_type),
+                            keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units,
+                                                  device_type=device_type),
                             optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16",
                             # A node worker's gradients leave the process too (pushed, summed on the node): fp32.
                             world_size=max(world_size, 2) if config.strategy == "node" else world_size)

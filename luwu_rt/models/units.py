@@ -109,7 +109,8 @@ class UnitChain:
         if not units:
             raise ValueError("a unit chain needs at least one unit")
         self.units: tuple[nn.Module, ...] = tuple(units)
-        self.names: tuple[str, ...] = tuple(names) if names is not None else tuple(f"unit{i}" for i in range(len(units)))
+        self.names: tuple[str, ...] = (tuple(names) if names is not None
+                                       else tuple(f"unit{i}" for i in range(len(units))))
         if len(self.names) != len(self.units):
             raise ValueError(f"{len(self.names)} names given for {len(self.units)} units")
         self._loss_fn = loss_fn

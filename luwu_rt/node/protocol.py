@@ -11,7 +11,8 @@ the payload's CRC-32C (``_C.crc32c``: three interleaved streams of the SSE4.2
 instruction, about 4x zlib's CRC32, without the GIL). Over CURVE every frame already carries a Poly1305 MAC, so
 both sides send flag ``UNCHECKED`` and skip the CRC there (two passes over every
 byte: half the throughput, benchmarks/results/2026-12-03-node.md); a receiver
-accepts ``UNCHECKED`` only on an authenticated transport (``trusted``). Anything wrong raises ``ProtocolError`` carrying a short
+accepts ``UNCHECKED`` only on an authenticated transport (``trusted``). Anything
+wrong raises ``ProtocolError`` carrying a short
 reason that the node counts (``NodeService.rejects``): a malformed message is
 dropped and counted, never answered with a traceback, never applied.
 
@@ -60,8 +61,8 @@ from dataclasses import dataclass
 from luwu_rt._C import crc32c
 from luwu_rt.plan.dtypes import ELEMENT_BYTES
 
-__all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError", "T", "VERSION",
-           "F", "decode", "encode"]
+__all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError",
+           "T", "VERSION", "F", "decode", "encode"]
 
 MAGIC = b"LUWU"
 VERSION = 3

@@ -189,7 +189,8 @@ class NodeRunner:
         if self.buffer_bytes >= host_bytes:
             raise ValueError(f"the node's push and serve buffers alone take {self.buffer_bytes / 2**20:.1f} MiB "
                              f"({num_workers} worker(s) x fp32 gradients + 2 x the parameters + one unit's initial "
-                             f"state + the workers' credit), more than its host memory of {host_bytes / 2**20:.1f} MiB: raise --host-mem")
+                             f"state + the workers' credit), more than its host memory of "
+                             f"{host_bytes / 2**20:.1f} MiB: raise --host-mem")
         host_bytes -= self.buffer_bytes
         result = plan_node_auto(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
                                                             nvme_bytes=nvme_bytes), num_workers=num_workers,

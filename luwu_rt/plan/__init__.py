@@ -41,6 +41,7 @@ __all__ = [
     "DATA_PARALLEL", "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy",
     "SwapPlan", "TIERS",
     "UnitSpec", "collective_seconds", "estimate", "fitting_budgets", "flag_size", "format_ops", "format_size",
-    "forward_flops_per_token", "gpt_model_spec", "lower_bounds", "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
+    "forward_flops_per_token", "gpt_model_spec", "lower_bounds", "node_lower_bounds", "op_seconds", "op_times",
+    "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
     "push_order", "validate", "validate_ranks",
 ]

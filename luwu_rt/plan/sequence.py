@@ -43,8 +43,8 @@ from .dtypes import ELEMENT_BYTES, FIXED_STATE_DTYPES
 from .ops import GLOBAL_UNIT, Compute, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
 from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
 
-__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points", "group_members",
-           "home_of"]
+__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points",
+           "group_members", "home_of"]
 
 NORM_BYTES = ELEMENT_BYTES[FIXED_STATE_DTYPES["norm"]]
 """A squared norm is one float64."""
@@ -245,7 +245,8 @@ class _Sequence:
         for r in self.reads(k):
             if self.strategy.sharded("param"):
                 self.collective(Gather, "gather", r, "all_gather", self.full_bytes(r, "param"),
-                                self.needs((r,), "param", "device", "r") + self.needs((r,), "param_full", "device", "w"))
+                                self.needs((r,), "param", "device", "r")
+                                + self.needs((r,), "param_full", "device", "w"))
                 param_needs += self.needs((r,), "param_full", "device", "r")
             else:
                 param_needs += self.needs((r,), "param", "device", "r")
@@ -306,8 +307,10 @@ class _Sequence:
             self.collective(Reduce, "reduce_cross", u, "all_reduce", self.elements(u, "grad") * self.model.grad_bytes,
                             self.needs((u,), "grad", "device", "rw"))
         if _tracks_norm(self.model, self.strategy):
-            self.add(GradNorm, self.optim_queue, dict(unit=u, num_params=self.elements(u, self.gkind), tier=self.optim_tier),
-                     self.needs((u,), self.gkind, self.optim_tier, "r") + self.needs((u,), "norm", self.optim_tier, "w"))
+            self.add(GradNorm, self.optim_queue,
+                     dict(unit=u, num_params=self.elements(u, self.gkind), tier=self.optim_tier),
+                     self.needs((u,), self.gkind, self.optim_tier, "r")
+                     + self.needs((u,), "norm", self.optim_tier, "w"))
 
     def optimizer(self, u: int) -> None:
         """The update of this rank's part of unit ``u``; zero1/2 then gather the full parameters."""
@@ -327,7 +330,8 @@ class _Sequence:
         different slices of the gradients."""
         units = range(len(self.model.units))
         sliced = self.strategy.sharded("grad") or self.strategy.name == "zero1"
-        needs = self.needs(units, "norm", self.optim_tier, "r") + self.needs((GLOBAL_UNIT,), "norm", self.optim_tier, "w")
+        needs = (self.needs(units, "norm", self.optim_tier, "r")
+                 + self.needs((GLOBAL_UNIT,), "norm", self.optim_tier, "w"))
         self.collective(NormReduce, "reduce", GLOBAL_UNIT, "all_reduce" if sliced else "local", NORM_BYTES, needs)
 
 

@@ -159,7 +159,8 @@ class Placement:
     def __post_init__(self) -> None:
         for f in fields(self):
             if getattr(self, f.name) not in PLACEMENT_CHOICES:
-                raise ValueError(f"placement {f.name}={getattr(self, f.name)!r}: choose one of {', '.join(PLACEMENT_CHOICES)}")
+                raise ValueError(f"placement {f.name}={getattr(self, f.name)!r}: "
+                                 f"choose one of {', '.join(PLACEMENT_CHOICES)}")
 
     @property
     def is_resolved(self) -> bool:

@@ -177,7 +177,8 @@ config = p7_config(parse_args(["--nvme-dir", sys.argv[2], *sys.argv[3:]]))
 off = config.offload
 spec = config_model_spec(as_unit_chain(config.model), config,
                          device_type="cuda" if torch.cuda.is_available() else "cpu")
-result = plan_auto(spec, budgets=Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=1 << 40),
+budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=1 << 40)
+result = plan_auto(spec, budgets=budgets,
                    placement=Placement(params=off.params, optimizer=off.optimizer, grads=off.grads))
 print(json.dumps({"model": config.model, "device_mem": off.device_mem_bytes, "activations": spec.activation_bytes,
                   "placement": str(result.placement)}))

@@ -101,8 +101,9 @@ def _width_into(unit: nn.Module, dropout: nn.Module) -> int:
     return linears[-1].out_features
 
 
-# Device arenas (beside the activations) under which the plan reuses kept units' parameter slots before their backward (about two
-# gpt-tiny blocks; a few of the small chain's units), and roomy ones with the parameters at home there.
+# Device arenas (beside the activations) under which the plan reuses kept units' parameter slots before their
+# backward (about two gpt-tiny blocks; a few of the small chain's units), and roomy ones with the parameters at home
+# there.
 SMALL_DEVICE = {"gpt-tiny": "2MiB", "sequential": "48KiB"}
 
 

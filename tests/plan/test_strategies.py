@@ -157,6 +157,7 @@ def test_an_update_overlaps_the_next_units_collectives_when_clipping_is_off(name
             if clip:
                 assert norm in ancestors[step], f"{name}: the update of unit {k} does not wait for the norm"
             else:
-                assert reduce_prev not in ancestors[step], f"{name}: the update of unit {k} waits for unit {k - 1}'s reduce"
+                assert reduce_prev not in ancestors[step], \
+                    f"{name}: the update of unit {k} waits for unit {k - 1}'s reduce"
                 assert not any(isinstance(ops[d], OptimStep) for d in ancestors[reduce_prev] | {reduce_prev}), \
                     f"{name}: unit {k - 1}'s reduce waits for an optimizer step"
