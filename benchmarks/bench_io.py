@@ -78,7 +78,8 @@ def make_deepspeed(block_bytes: int, queue_depth: int, num_threads: int) -> tupl
                 os.unlink(path)
         return source.numel() / write_s / 1e9, source.numel() / read_s / 1e9
 
-    return run, f"deepspeed {_version('deepspeed')} aio_handle(block {block_bytes}, depth {queue_depth}, threads {num_threads})"
+    return run, (f"deepspeed {_version('deepspeed')} aio_handle(block {block_bytes}, depth {queue_depth}, "
+                 f"threads {num_threads})")
 
 
 def _fio(path: str, rw: str, size_bytes: int, block_bytes: int, queue_depth: int, setting: str) -> float:
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # The same engine on page-locked 4 KiB-page buffers, the kind DeepSpeed
         # allocates: separates the engine from the huge pages of aligned_empty.
-        contestants["ours-io_uring-4k"] = lambda d, s: _ours(d, small_pages[0], small_pages[1], block, depth, "io_uring")
+        contestants["ours-io_uring-4k"] = lambda d, s: _ours(d, small_pages[0], small_pages[1], block, depth,
+                                                             "io_uring")
     if args.ds_threads > 1 and not no_uring:
         # DeepSpeed keeps queue_depth IOs in flight per thread; this row gives
         # the engine the same total number in flight.
@@ -208,8 +210,9 @@ def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[s
         f"`python benchmarks/bench_io.py --dir {args.dir} --size-mb {args.size_mb} --block-kb {args.block_kb} "
         f"--queue-depth {args.queue_depth} --rounds {args.rounds}`",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}. File {args.size_mb} MiB, O_DIRECT, block {args.block_kb} KiB, queue depth {args.queue_depth}.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}. File {args.size_mb} MiB, O_DIRECT, "
+        f"block {args.block_kb} KiB, queue depth {args.queue_depth}.",
         "",
         *[f"- {n}" for n in notes],
         "",
@@ -235,9 +238,11 @@ def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[s
         cells = [f"{w:.2f} / {r:.2f}" for w, r in pairs]
         med = f"{statistics.median(p[0] for p in pairs):.2f} / {statistics.median(p[1] for p in pairs):.2f}"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {med} |")
-    lines += ["", "## Ratios (median of per-round ratios)", "", "| ours | peer | write | read | target |", "|---|---|---|---|---|"]
+    lines += ["", "## Ratios (median of per-round ratios)", "", "| ours | peer | write | read | target |",
+              "|---|---|---|---|---|"]
     fio_names = [n for n in rows if n.startswith("fio-")]
-    best_fio = {k: max(fio_names, key=lambda n: statistics.median(p[k] for p in rows[n])) for k in (0, 1)} if fio_names else {}
+    best_fio = ({k: max(fio_names, key=lambda n: statistics.median(p[k] for p in rows[n])) for k in (0, 1)}
+                if fio_names else {})
     verdicts = []
     for ours in [n for n in rows if n.startswith("ours-")]:
         if "deepspeed-aio" in rows:
@@ -245,7 +250,10 @@ def _report(rows: dict[str, list[Pair]], args: argparse.Namespace, notes: list[s
             lines.append(f"| {ours} | deepspeed-aio | {w:.3f} | {r:.3f} | >= 1.0 |")
         for name in fio_names:
             w, r = (_median_ratio(rows[ours], rows[name], k) for k in (0, 1))
-            best = " (best fio: " + ", ".join(d for d, k in (("write", 0), ("read", 1)) if best_fio[k] == name) + ")" if name in best_fio.values() else ""
+            best = ""
+            if name in best_fio.values():
+                which = ", ".join(d for d, k in (("write", 0), ("read", 1)) if best_fio[k] == name)
+                best = f" (best fio: {which})"
             lines.append(f"| {ours} | {name}{best} | {w:.3f} | {r:.3f} | >= 0.95 vs best |")
         verdicts += _verdicts(ours, rows, best_fio)
     if not verdicts:  # no peer ran here: our figures stand alone, and the verdict says why there is none

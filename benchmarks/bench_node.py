@@ -58,11 +58,12 @@ def _server(address_box: list, ready: threading.Event, total: int, chunk: int, p
                 break
             if msg.type == T.PUSH_GRAD:
                 store[msg.offset : msg.offset + msg.nbytes] = np.frombuffer(msg.payload, np.uint8)
-                sock.send_multipart([ident, *encode(Message(T.ACK, step=msg.step, unit=msg.unit, offset=msg.offset), checksum=not curve)])
+                ack = Message(T.ACK, step=msg.step, unit=msg.unit, offset=msg.offset)
+                sock.send_multipart([ident, *encode(ack, checksum=not curve)])
             else:
                 for off in range(0, total, chunk):
-                    sock.send_multipart([ident, *encode(Message(T.PARAM, offset=off, dtype=DTYPE_CODES["float32"],
-                                                                payload=view[off : off + chunk]), checksum=not curve)], copy=False)
+                    param = Message(T.PARAM, offset=off, dtype=DTYPE_CODES["float32"], payload=view[off : off + chunk])
+                    sock.send_multipart([ident, *encode(param, checksum=not curve)], copy=False)
         else:
             kind = body[0].bytes[:1]
             if kind == STOP:
@@ -127,7 +128,8 @@ def measure(*, total: int, chunk: int, protocol: bool, repeats: int, curve: bool
     return best
 
 
-TRAIN_FLAGS = ["--eval-every", "0", "--quiet", "--device-mem", "256MiB", "--host-mem", "256MiB", "--keep-graphs", "none"]
+TRAIN_FLAGS = ["--eval-every", "0", "--quiet", "--device-mem", "256MiB", "--host-mem", "256MiB", "--keep-graphs",
+               "none"]
 """Budgets and flags every training run of this script shares (and ``luwu plan`` is given in bench_node_predict)."""
 
 

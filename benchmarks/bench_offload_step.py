@@ -30,7 +30,8 @@ def main() -> int:
     parser.add_argument("--unit-params", default="16M")
     parser.add_argument("--host-mem", default="2GiB")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=None, help="results markdown (default benchmarks/results/<date>-offload-step.md)")
+    parser.add_argument("--out", default=None,
+                        help="results markdown (default benchmarks/results/<date>-offload-step.md)")
     args = parser.parse_args()
     rows = []
     for r in range(args.rounds):
@@ -51,14 +52,18 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     path = Path(args.out or Path(__file__).parent / "results" / f"{date}-offload-step.md")
     lines = [f"# P4: out-of-core optimizer step, {date}", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end. "
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
+             f"load average {os.getloadavg()[0]:.1f} at the end. "
              f"Command: `{' '.join(sys.argv)}`.", "",
-             "| round | params | step s | IO bound s | ratio | predicted s | serialised s | disk read GB/s | disk write GB/s |",
+             "| round | params | step s | IO bound s | ratio | predicted s | serialised s | disk read GB/s "
+             "| disk write GB/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r['params']} | {r['step_s']:.3f} | {r['io_bound_s']:.3f} | {r['step_s'] / r['io_bound_s']:.2f} "
-                     f"| {r['predicted_s']:.3f} | {r['serial_step_s']:.3f} | {r['disk_read_gbps']:.2f} | {r['disk_write_gbps']:.2f} |")
-    lines += ["", f"**P4: {ratio:.2f}x the IO lower bound** (median of per-round ratios; target <= {P4_TARGET}x: {verdict}). "
+        lines.append(f"| {i} | {r['params']} | {r['step_s']:.3f} | {r['io_bound_s']:.3f} "
+                     f"| {r['step_s'] / r['io_bound_s']:.2f} | {r['predicted_s']:.3f} | {r['serial_step_s']:.3f} "
+                     f"| {r['disk_read_gbps']:.2f} | {r['disk_write_gbps']:.2f} |")
+    lines += ["", f"**P4: {ratio:.2f}x the IO lower bound** "
+              f"(median of per-round ratios; target <= {P4_TARGET}x: {verdict}). "
               f"Overlap speed-up over the same plan serialised: {overlap:.2f}x.", ""]
     path.write_text("\n".join(lines))
     print(f"wrote {path}")

@@ -218,7 +218,8 @@ def _p5_report(args, per_round, losses, contestants, unavailable, tokens, load_b
     lines += ["", "Where our step time goes (median over measured steps; compute = compute queue busy, "
               "wait = step minus compute: the compute queue idle on IO or the optimizer, optim = optimizer "
               "queue busy, kept = activations held by kept graphs):", "",
-              "| contestant | step s | compute s | wait s | optim s | io s | kept MB |", "|---|---|---|---|---|---|---|"]
+              "| contestant | step s | compute s | wait s | optim s | io s | kept MB |",
+              "|---|---|---|---|---|---|---|"]
     for name, c in contestants.items():
         if isinstance(c, _Ours):
             ms = c.metrics[args.p5_warmup:]

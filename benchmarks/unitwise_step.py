@@ -76,9 +76,11 @@ def main() -> None:
     base = statistics.median(results["plain autograd"])
     base_min = min(results["plain autograd"])
     tokens_per_step = args.batch_size * args.seq_len
-    lines = [(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-              f"threads {torch.get_num_threads()}, load average before/after {load_before:.2f}/{os.getloadavg()[0]:.2f}"), "",
-             (f"model {args.model} ({chain.num_params / 1e6:.1f}M params), batch {args.batch_size} x seq {args.seq_len}, "
+    lines = [(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+              f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+              f"load average before/after {load_before:.2f}/{os.getloadavg()[0]:.2f}"), "",
+             (f"model {args.model} ({chain.num_params / 1e6:.1f}M params), "
+              f"batch {args.batch_size} x seq {args.seq_len}, "
               f"{'bf16 autocast' if dtype else 'fp32'}, median of {args.repeats}"), "",
              # The box may be shared: the min is the least disturbed run, so its ratio is printed too.
              "| variant | step s (median) | min | max | tokens/s (median) | ratio vs plain (median) | ratio (min) |",

@@ -142,7 +142,8 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "config"
     for key, value in data.items():
         _checked(cls, key, value, where)
         nested = _nested_type(cls, key)
-        values[key] = from_mapping(nested, value, where=f"{where}.{key}") if nested and isinstance(value, Mapping) else value
+        values[key] = (from_mapping(nested, value, where=f"{where}.{key}") if nested and isinstance(value, Mapping)
+                       else value)
     try:
         return cls(**values)
     except TypeError as exc:  # a wrong type that __post_init__ did not catch first

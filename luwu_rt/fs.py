@@ -100,7 +100,8 @@ def lock_dir(path: str | os.PathLike, *, flag: str) -> DirLock:
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot create the lock file of {flag} ({exc.strerror})", str(lock_path)) from None
+            raise OSError(exc.errno, f"cannot create the lock file of {flag} ({exc.strerror})",
+                          str(lock_path)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

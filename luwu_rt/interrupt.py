@@ -34,9 +34,8 @@ import os
 import signal
 import threading
 
-__all__ = ["PHASES", "Interrupted", "StopRequest", "pending", "test_hook", "wrap_handlers"]
+__all__ = ["Interrupted", "StopRequest", "pending", "test_hook", "wrap_handlers"]
 
-PHASES = ("start", "forward", "backward", "optimizer", "checkpoint")
 _fired = threading.Event()
 _active: "StopRequest | None" = None
 """The installed handlers of this process, if any."""

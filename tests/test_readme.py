@@ -40,7 +40,8 @@ def _blocks(page: Path = README) -> list[tuple[str, str, str, int]]:
 def _commands(body: str) -> list[str]:
     """Shell commands of a block: comments dropped, continuation lines joined."""
     joined = re.sub(r"\\\n\s*", " ", body)
-    return [line.split(" #")[0].strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [line.split(" #")[0].strip() for line in joined.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def _scaled(steps: int) -> int:

@@ -156,8 +156,8 @@ class CheckpointWriter:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot create the checkpoint directory ({exc.strerror}); pass a writable --ckpt-dir",
-                          str(self.root)) from None
+            raise OSError(exc.errno, f"cannot create the checkpoint directory ({exc.strerror}); "
+                                     "pass a writable --ckpt-dir", str(self.root)) from None
         # Leftovers of a writer killed mid-checkpoint are never visible as
         # checkpoints; one trainer owns a root, so they can go.
         for stale in self.root.glob(".partial_step_*"):
@@ -314,9 +314,11 @@ class CheckpointReader:
         """The flat tensor ``name`` of ``numel`` elements, saved whole or as slices by several ranks
         ([Note: checkpoints of several ranks])."""
         parts = self.parts(name)
-        flat = torch.cat([self.read(key).reshape(-1) for key in parts]) if len(parts) > 1 else self.read(parts[0]).reshape(-1)
+        flat = (torch.cat([self.read(key).reshape(-1) for key in parts]) if len(parts) > 1
+                else self.read(parts[0]).reshape(-1))
         if flat.numel() < numel:
-            raise ValueError(f"checkpoint {self.directory}: {name} holds {flat.numel()} values, the model needs {numel}")
+            raise ValueError(f"checkpoint {self.directory}: {name} holds {flat.numel()} values, "
+                             f"the model needs {numel}")
         return flat[:numel]
 
 

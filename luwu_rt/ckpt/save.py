@@ -19,12 +19,12 @@ import torch
 
 from luwu_rt import interrupt
 from luwu_rt.ckpt.format import CheckpointReader, CheckpointWriter, slice_name
+from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.plan.spec import Strategy, ceil_div
 
 __all__ = ["PERSISTENT", "RankTensor", "rank_tensors", "save_checkpoint", "verify_checkpoint"]
 
 PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
-_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 ReadState = Callable[[int, str, torch.Tensor], torch.Tensor]
 """``read(unit, state, out)``: this rank's part of a unit's ``state`` after the last step, into ``out``."""
@@ -121,10 +121,11 @@ def verify_checkpoint(reader: CheckpointReader, *, read_data: bool) -> int:
     try:
         units = reader.meta["model"]["units"]
         sizes = [sum(_numel(shape) for _name, shape in unit["params"]) for unit in units]
-        param_dtype = _PARAM_DTYPES[reader.meta["config"]["dtype"]]
+        param_dtype = torch_dtype(reader.meta["config"]["dtype"])
         steps = (reader.meta["step"], reader.meta["adam_step"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: checkpoint metadata lacks or garbles {exc}; resume from an older checkpoint") from None
+        raise ValueError(f"{where}: checkpoint metadata lacks or garbles {exc}; "
+                         "resume from an older checkpoint") from None
     if steps[0] != reader.step or not (isinstance(steps[1], int) and 0 <= steps[1] <= steps[0]):
         raise ValueError(f"{where}: checkpoint steps disagree (step {reader.step}, meta {steps}); it is corrupt")
     seen: set[str] = set()
@@ -140,7 +141,8 @@ def verify_checkpoint(reader: CheckpointReader, *, read_data: bool) -> int:
                                      f"{str(want).removeprefix('torch.')}; the checkpoint is corrupt")
                 held += _numel(entry["shape"])
             if held < n:
-                raise ValueError(f"{where}: u{u}.{state} holds {held} values, the model needs {n}; the checkpoint is corrupt")
+                raise ValueError(f"{where}: u{u}.{state} holds {held} values, the model needs {n}; "
+                                 "the checkpoint is corrupt")
             if read_data:
                 reader.read_joined(f"u{u}.{state}", n)
             seen.update(parts)

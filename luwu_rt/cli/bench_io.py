@@ -39,9 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory on the disk to measure (a temporary file is created and removed); created "
                              "if missing, and then removed at exit")
     parser.add_argument("--size-mb", type=int, default=1024, help="file size in MiB (default 1024)")
-    parser.add_argument("--block-kb", type=int, default=1024, help="IO piece size in KiB, a multiple of 4 (default 1024)")
+    parser.add_argument("--block-kb", type=int, default=1024,
+                        help="IO piece size in KiB, a multiple of 4 (default 1024)")
     parser.add_argument("--queue-depth", type=int, default=32, help="pieces in flight per direction (default 32)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"), help="IO backend (default auto)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"),
+                        help="IO backend (default auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--sweep", action="store_true", help="try several block sizes and queue depths; print the best")
     parser.add_argument("--profile-out", default=None, metavar="FILE",
@@ -108,8 +110,10 @@ def sweep(directory: str, *, size_bytes: int, backend: str = "auto", log=print) 
         if block_kb * 1024 > size_bytes:
             continue
         for depth in _SWEEP_QUEUE_DEPTHS:
-            r = measure(directory, size_bytes=size_bytes, block_bytes=block_kb * 1024, queue_depth=depth, backend=backend, buffer=buffer)
-            log(f"block {block_kb:6d} KiB  queue depth {depth:3d}: write {r.write_gbps:6.2f} GB/s  read {r.read_gbps:6.2f} GB/s")
+            r = measure(directory, size_bytes=size_bytes, block_bytes=block_kb * 1024, queue_depth=depth,
+                        backend=backend, buffer=buffer)
+            log(f"block {block_kb:6d} KiB  queue depth {depth:3d}: write {r.write_gbps:6.2f} GB/s  "
+                f"read {r.read_gbps:6.2f} GB/s")
             results.append(r)
     if not results:
         raise ValueError(f"size {size_bytes} bytes is smaller than the smallest swept block ({_SWEEP_BLOCK_KB[0]} KiB)")

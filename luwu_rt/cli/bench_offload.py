@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps to run; the median is reported (default 3)")
     parser.add_argument("--block-kb", type=int, default=1024, help="IO piece size in KiB (default 1024)")
     parser.add_argument("--queue-depth", type=int, default=32, help="IO pieces in flight per direction (default 32)")
-    parser.add_argument("--trace", default=None, metavar="FILE", help="write the last step's spans as Chrome trace JSON")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write the last step's spans as Chrome trace JSON")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from luwu_rt.plan.dtypes import DTYPE_NAMES, LOW_PRECISION
+
 __all__ = ["add_arguments", "run"]
 
 BACKEND_NAMES = ["cpp", "numba", "numba-cuda", "cupy", "torch"]
@@ -14,9 +16,9 @@ PEER_NAMES = ["torch-fused", "torch-foreach", "deepspeed"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=64 * 1024 * 1024, help="parameters per step (default 64Mi)")
-    parser.add_argument("--grad-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+    parser.add_argument("--grad-dtype", choices=tuple(DTYPE_NAMES), default="fp32",
                         help="gradient dtype of our kernels (peers take fp32)")
-    parser.add_argument("--param-out", choices=["bf16", "fp16"], default=None,
+    parser.add_argument("--param-out", choices=LOW_PRECISION, default=None,
                         help="also write a low-precision copy of the parameters (a separate cast for peers)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the tensors live: cpu, or cuda for the GPU backends (default cpu)")

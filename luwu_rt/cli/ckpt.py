@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from luwu_rt.plan.dtypes import DTYPE_NAMES
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -12,8 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="list: checkpoints under DIR; verify: check every checksum; export: write a state dict")
     parser.add_argument("path", help="checkpoint root (list) or a step_<N> directory (verify, export); "
                                      "a root means its latest checkpoint")
-    parser.add_argument("--out", default=None, help="export: output file (.safetensors, or anything else for torch.save)")
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="export: dtype (default fp32)")
+    parser.add_argument("--out", default=None,
+                        help="export: output file (.safetensors, or anything else for torch.save)")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPE_NAMES), help="export: dtype (default fp32)")
     parser.add_argument("--format", default="file", choices=("file", "hf"),
                         help="export: file (a state dict in --out FILE) or hf (a Hugging Face model folder --out DIR "
                              "that from_pretrained loads; hf:PATH runs and GPT presets)")
@@ -37,9 +40,8 @@ def _resolve(path: str):
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from luwu_rt.ckpt.format import NODE_SNAPSHOT, CheckpointReader, list_checkpoints
+    from luwu_rt.kernels.dtypes import torch_dtype
 
     if args.action == "list":
         if not Path(args.path).is_dir():
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise ValueError("export needs --out FILE (e.g. model.safetensors), or --format hf --out DIR")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = torch_dtype(args.dtype, what="--dtype")
     if args.format == "hf":
         from luwu_rt.ckpt.export_hf import export_hf
         from luwu_rt.plan import parse_size

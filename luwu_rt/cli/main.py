@@ -22,7 +22,8 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("node", "serve"), "luwu_rt.cli.node", "run an optimizer node for luwu train --strategy node (over ZeroMQ)"),
     (("node", "keygen"), "luwu_rt.cli.node_keygen", "make CURVE keys for an optimizer node and its workers"),
     (("bench", "io"), "luwu_rt.cli.bench_io", "O_DIRECT write/read throughput of the IO engine on a directory"),
-    (("bench", "offload-step"), "luwu_rt.cli.bench_offload", "one AdamW step with optimizer state on NVMe vs the IO bound"),
+    (("bench", "offload-step"), "luwu_rt.cli.bench_offload",
+     "one AdamW step with optimizer state on NVMe vs the IO bound"),
     (("bench", "optim"), "luwu_rt.cli.bench_optim", "optimizer step throughput: our backends vs peers vs memory"),
 )
 

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser)
     parser.add_argument("--resume-if-exists", dest="resume_if_exists", action="store_true",
                         help="--resume when --ckpt-dir holds a checkpoint, else start from step 0")
-    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file with the same keys; flags override it")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="TOML file with the same keys; flags override it")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--stop-after", dest="stop_after", type=int, default=None, metavar="N",
                         help="stop after step N, as Ctrl-C would (with --ckpt-dir a checkpoint of it), and exit 0: "
@@ -255,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
                 return _run(args, world_size)
             finally:
                 # In the `luwu` process itself (not a caller's process) signals stay ignored from here on.
-                args.stop_request.finish(ignore_signals=getattr(sys.modules.get("__main__"), "main", None) is _cli_main())
+                in_luwu = getattr(sys.modules.get("__main__"), "main", None) is _cli_main()
+                args.stop_request.finish(ignore_signals=in_luwu)
         return _run(args, world_size)
 
 
@@ -428,6 +430,7 @@ def _train(engine, args: argparse.Namespace) -> int:
         other = max(avg["step_s"] - avg["compute_s"] - avg["wait_s"], 0.0)
         print(f"step {engine.step}: loss {m['loss']:.4f}; per step {avg['step_s'] * 1e3:.1f} ms = compute "
               f"{avg['compute_s'] * 1e3:.1f} + waiting on IO/optimizer {avg['wait_s'] * 1e3:.1f} + other "
-              f"{other * 1e3:.1f} ms (optimizer busy {avg['optim_s'] * 1e3:.1f} ms, IO busy {avg['io_s'] * 1e3:.1f} ms, "
+              f"{other * 1e3:.1f} ms (optimizer busy {avg['optim_s'] * 1e3:.1f} ms, "
+              f"IO busy {avg['io_s'] * 1e3:.1f} ms, "
               f"overlapped)")
     return 0

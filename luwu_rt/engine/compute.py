@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from luwu_rt.exec.executor import Views
+from luwu_rt.kernels.dtypes import LOW_PRECISION_DTYPES
 from luwu_rt.models.units import UnitChain, _swap_in
 from luwu_rt.plan.ops import Compute, ShardId
 
@@ -99,7 +100,7 @@ class UnitwiseConfig:
         self.keep_graph = frozenset(self.keep_graph)
         if any(not isinstance(i, int) or i < 0 for i in self.keep_graph):
             raise ValueError(f"keep_graph must hold unit indices (non-negative ints), got {sorted(self.keep_graph)}")
-        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
+        if self.autocast_dtype not in (None, *LOW_PRECISION_DTYPES):
             raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, not {self.autocast_dtype}")
         if not (self.loss_scale > 0 and self.loss_scale < float("inf")):
             raise ValueError(f"loss_scale must be a positive finite number, not {self.loss_scale}")

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from luwu_rt.config import flag, merge, upgrade_keys
 from luwu_rt.data import DataConfig
+from luwu_rt.plan.dtypes import DTYPE_NAMES
 from luwu_rt.engine.budgets import auto_help
 from luwu_rt.io.engine import BACKENDS
 from luwu_rt.models.presets import PRESETS
@@ -25,8 +26,8 @@ __all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig", "r
 
 _TIERS = ("device", "host", "nvme", "auto")
 """Values of the ``offload`` placements (``--offload-*``)."""
-_DTYPES = ("fp32", "bf16", "fp16")
-"""Values of ``TrainConfig.dtype`` (``--dtype``)."""
+_DTYPES = tuple(DTYPE_NAMES)
+"""Values of ``TrainConfig.dtype`` (``--dtype``): the compute dtypes ([Note: dtype names] in plan/dtypes.py)."""
 _STRATEGY_CHOICES = ("auto",) + STRATEGIES
 """Values of ``TrainConfig.strategy`` (``--strategy``)."""
 _KEEP_GRAPHS_WORDS = ("auto", "all", "none")
@@ -71,7 +72,8 @@ class OffloadConfig:
     graph kept) leave a 10.7 MiB arena, which holds the parameters and gradients (6.6 MiB) but not the
     optimizer state as well (9.9 MiB more), so the run uses the device tier for real."""
     host_mem_bytes: int | str = field(default="auto", metadata=flag(
-        f"pinned host budget, e.g. 200GiB (default {auto_help('host')})", name="--host-mem", metavar="SIZE", plans=True))
+        f"pinned host budget, e.g. 200GiB (default {auto_help('host')})", name="--host-mem", metavar="SIZE",
+        plans=True))
     """Pinned host arena budget in bytes. ``"auto"``: a share of this machine's RAM, or 6 MiB for the demo
     model gpt-tiny, below its optimizer state (9.9 MiB) but holding one unit's share of it while that unit
     is updated, so the planner itself must put the optimizer state on NVMe: ``luwu train`` alone uses all
@@ -159,7 +161,8 @@ class TrainConfig:
     """Safetensors file or folder (a Hugging Face model folder or this project's export) whose tensors, matched
     by name, are the first weights, streamed in unit by unit; ``None``: the model's own weights (``hf:PATH``:
     its folder's), or the seed for a model on meta."""
-    steps: int = field(default=300, metadata=flag("optimizer steps in all (default {default}; --resume: the saved run's)"))
+    steps: int = field(default=300, metadata=flag(
+        "optimizer steps in all (default {default}; --resume: the saved run's)"))
     """Optimizer steps to run in total; a resumed run keeps the saved run's unless given, and its learning-rate
     schedule whatever it is given ([Note: the schedule of a resumed run] in optim/schedule.py)."""
     batch_size: int = field(default=16, metadata=flag("sequences per micro-batch (per rank)", plans=True))
@@ -202,9 +205,9 @@ class TrainConfig:
     strategy: str = field(default="auto", metadata=flag(
         "data-parallel strategy with several ranks (default {default}: the fastest predicted that fits; one rank "
         "runs local; node: workers and an optimizer node)", choices=_STRATEGY_CHOICES, plans=True))
-    """Data-parallel strategy when several ranks run (``torchrun`` or ``luwu train --nproc N``): ``ddp``,
-    ``zero1``, ``zero2``, ``zero3`` or ``hsdp``; ``auto`` lets the planner pick the fastest that fits.
-    One rank always runs ``local``."""
+    """Strategy when several ranks run (``torchrun`` or ``luwu train --nproc N``), one of ``STRATEGIES``
+    (plan/spec.py): a data-parallel one, or ``node`` (workers and an optimizer node, ``node``); ``auto`` lets
+    the planner pick the fastest data-parallel one that fits. One rank always runs ``local``."""
     node: str | None = field(default=None, metadata=flag(
         "strategy node: the optimizer node's address, tcp://HOST:PORT of a luwu node serve", metavar="ADDR"))
     """Strategy ``node``: the optimizer node's ZeroMQ address (``tcp://127.0.0.1:5555``), a ``luwu node serve``
@@ -243,8 +246,8 @@ class TrainConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         if not self.loss_scale > 0:
             raise ValueError(f"loss_scale must be positive, got {self.loss_scale}")
-        if not (self.keep_graphs in _KEEP_GRAPHS_WORDS
-                or (isinstance(self.keep_graphs, int) and not isinstance(self.keep_graphs, bool) and self.keep_graphs >= 0)):
+        count = isinstance(self.keep_graphs, int) and not isinstance(self.keep_graphs, bool) and self.keep_graphs >= 0
+        if not (self.keep_graphs in _KEEP_GRAPHS_WORDS or count):
             raise ValueError(f"keep_graphs={self.keep_graphs!r}: choose auto, all, none or a number of units >= 0")
         if self.strategy not in _STRATEGY_CHOICES:
             raise ValueError(f"strategy={self.strategy!r}: choose one of {', '.join(_STRATEGY_CHOICES)}")

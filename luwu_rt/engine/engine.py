@@ -51,7 +51,8 @@ from luwu_rt.engine.config import TrainConfig, resumed_settings
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
-from luwu_rt.engine.workload import COMPUTE_DTYPES, config_model_spec, kept_units
+from luwu_rt.engine.workload import config_model_spec, kept_units
+from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.exec import Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, busy_by_queue
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
@@ -105,7 +106,7 @@ class Engine:
         self._demo = (model if model is not None else config.model) == DEMO_MODEL  # built by name: the demo's budgets
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.param_dtype = COMPUTE_DTYPES[config.dtype]
+        self.param_dtype = torch_dtype(config.dtype)
         self.keep_graph = kept_units(config.keep_graphs, num_units=self.chain.num_units, device_type=self.device.type)
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
         self.model_spec = self._model_spec()
@@ -121,8 +122,9 @@ class Engine:
         # [Note: data parallelism in the engine]: gradients in fp32 across ranks, the loss scaled to the global mean.
         grad_dtype = torch.float32 if self.model_spec.grad_bytes == 4 else self.param_dtype  # as the plan sized them
         self.compute = UnitCompute(self.chain, param_dtype=self.param_dtype, grad_dtype=grad_dtype,
-                                   config=UnitwiseConfig(loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
-                                                         keep_graph=self.keep_graph),
+                                   config=UnitwiseConfig(
+                                       loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
+                                       keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
                                    at_risk=params_at_risk(self.plan),
                                    step_rng=StepRng(seed=config.seed, rank=self.world.rank))
@@ -200,7 +202,8 @@ class Engine:
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size)
-        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets, placement=placement)
+        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets,
+                                            placement=placement)
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
@@ -253,7 +256,8 @@ class Engine:
                              param_dtype=self.param_dtype, grad_dtype=grad_dtype)
         collectives = {}
         if self.world.distributed:
-            groups = {q: TorchGroup(pg) for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
+            groups = {q: TorchGroup(pg)
+                      for q, pg in queue_groups(self.strategy, self.plan.comm_groups, self.world).items()}
             collectives = CollectiveHandlers(self.plan.shards, groups=groups, param_dtype=self.param_dtype,
                                              grad_dtype=grad_dtype, norms=step.norms).handlers()
         return LocalOptimizer(step, store=self.store, all_reduce=self.world.all_reduce, collectives=collectives)
@@ -333,7 +337,8 @@ class Engine:
         else:
             batches = list(batch) if isinstance(batch, list) else [batch]
         if len(batches) != c.grad_accum:
-            raise ValueError(f"train_step got {len(batches)} micro-batches; the plan was made for grad_accum={c.grad_accum}")
+            raise ValueError(f"train_step got {len(batches)} micro-batches; "
+                             f"the plan was made for grad_accum={c.grad_accum}")
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         self.compute.begin(batches, step=step)  # [Note: dropout is drawn by step]
         self.optimizer.begin_step(step)
@@ -380,7 +385,8 @@ class Engine:
         parameters appear in the whole model's ``state_dict`` (for export)."""
         whole = getattr(self.chain, "model", None)
         prefixes = {id(m): name for name, m in whole.named_modules()} if isinstance(whole, nn.Module) else {}
-        return {"units": [{"name": self.chain.names[u], "prefix": prefixes.get(id(self.chain.units[u]), self.chain.names[u]),
+        return {"units": [{"name": self.chain.names[u],
+                           "prefix": prefixes.get(id(self.chain.units[u]), self.chain.names[u]),
                            "params": [[n, list(p.shape)] for n, p in self.chain.named_own_params(u)]}
                           for u in range(self.chain.num_units)]}
 
@@ -404,7 +410,8 @@ class Engine:
         return path
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, model: Any = None, *, overrides: dict[str, Any] | None = None) -> "Engine":
+    def load(cls, directory: str | os.PathLike, model: Any = None, *,
+             overrides: dict[str, Any] | None = None) -> "Engine":
         """An engine restored from the checkpoint ``directory`` (a ``step_<N>`` directory), to be closed
         (``with Engine.load(path) as engine:``). ``overrides`` changes config keys (e.g. the number of steps,
         budgets or placement) of the saved run's config, which the run otherwise keeps, its learning-rate

@@ -1,7 +1,8 @@
 """Which data-parallel strategy a run uses, and its plan.
 
 One process runs ``local``. With N ranks, ``TrainConfig.strategy`` names one
-of ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, or ``auto``: the planner
+of ``DATA_PARALLEL`` (plan/spec.py: ``ddp``, ``zero1``, ``zero2``, ``zero3``,
+``hsdp``), ``node``, or ``auto``: the planner
 plans each candidate (resolving ``auto`` placements too) and the shortest
 predicted step that fits wins, as it does for placements. Every rank plans
 from the same inputs and picks the same plan (the budgets are agreed first;
@@ -15,11 +16,9 @@ import hashlib
 from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, plan_auto
 from luwu_rt.plan.ops import Collective
 from luwu_rt.plan.search import PlanResult
-from luwu_rt.plan.spec import Strategy
+from luwu_rt.plan.spec import DATA_PARALLEL, Strategy
 
-__all__ = ["DATA_PARALLEL", "candidate_strategies", "choose_plan", "plan_digest"]
-
-DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+__all__ = ["candidate_strategies", "choose_plan", "plan_digest"]
 
 
 def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0) -> list[Strategy]:

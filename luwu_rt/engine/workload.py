@@ -112,17 +112,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from luwu_rt.engine.compute import _as_unit_input, _differentiate
+from luwu_rt.kernels.dtypes import COMPUTE_DTYPES, torch_dtype
 from luwu_rt.models.units import UnitChain
 from luwu_rt.plan.spec import ModelSpec, UnitSpec
 
 if TYPE_CHECKING:
     from luwu_rt.engine.config import TrainConfig
 
-__all__ = ["COMPUTE_DTYPES", "ActivationEstimate", "config_model_spec", "device_budget", "kept_units", "measure_activations", "train_model_spec",
-           "unit_specs"]
-
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``TrainConfig.dtype`` names: the engine computes in the parameters' dtype, without autocast."""
+__all__ = ["ActivationEstimate", "config_model_spec", "device_budget", "kept_units", "measure_activations",
+           "train_model_spec", "unit_specs"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,10 +145,11 @@ class ActivationEstimate:
     """Of ``kept_bytes``, the copies of parameters that kept graphs save."""
 
 
-def unit_specs(chain: UnitChain) -> tuple[UnitSpec, ...]:
-    """The planner's view of ``chain``'s units: sizes, reads, and 2 FLOPs per parameter per token."""
+def unit_specs(chain: UnitChain, *, seq_len: int) -> tuple[UnitSpec, ...]:
+    """The planner's view of ``chain``'s units: sizes, reads, and the forward FLOPs per token of sequences of
+    ``seq_len`` tokens that the chain counts ([Note: FLOPs of a unit] in plan/spec.py)."""
     units = tuple(UnitSpec(name=chain.names[i], num_params=chain.num_unit_params(i), reads=chain.reads(i),
-                           flops_per_token=2 * chain.num_unit_params(i))
+                           flops_per_token=chain.flops_per_token(i, seq_len=seq_len))
                   for i in range(chain.num_units) if chain.num_unit_params(i) > 0)
     if len(units) != chain.num_units:
         empty = [chain.names[i] for i in range(chain.num_units) if chain.num_unit_params(i) == 0]
@@ -181,7 +180,7 @@ def train_model_spec(chain: UnitChain, *, batch_size: int, seq_len: int, chunk_b
     the measured activation peak of ``measure_activations`` as the device reserve. With ``world_size`` > 1
     the gradients are fp32, as ranks reduce them ([Note: data parallelism in the engine])."""
     compute_dtype = _compute_dtype(dtype)
-    units = unit_specs(chain)
+    units = unit_specs(chain, seq_len=seq_len)
     activations = measure_activations(chain, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                                       dtype=compute_dtype, keep_graph=keep_graph, snapshot_units=snapshot_units,
                                       example=example)
@@ -198,7 +197,8 @@ def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: s
     device budget it needs is ``activation_bytes`` plus the arena it leaves for shards."""
     return train_model_spec(chain, batch_size=config.batch_size, seq_len=config.seq_len,
                             grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_bytes, dtype=config.dtype,
-                            keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units, device_type=device_type),
+                            keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units,
+                                                  device_type=device_type),
                             optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16",
                             # A node worker's gradients leave the process too (pushed, summed on the node): fp32.
                             world_size=max(world_size, 2) if config.strategy == "node" else world_size)
@@ -250,11 +250,9 @@ def measure_activations(chain: UnitChain, *, batch_size: int, seq_len: int, dtyp
 
 def _compute_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
-        if dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
-        return COMPUTE_DTYPES[dtype]
+        return torch_dtype(dtype)
     if dtype not in COMPUTE_DTYPES.values():
-        raise ValueError(f"dtype={dtype}: the engine computes in torch.float32, torch.bfloat16 or torch.float16")
+        raise ValueError(f"dtype={dtype}: the engine computes in {', '.join(map(str, COMPUTE_DTYPES.values()))}")
     return dtype
 
 

@@ -5,7 +5,8 @@ the optimizer node, the engine's training and evaluation plans - sleeps a
 random time, uniform in ``[0, max_delay_s]``, before and after the work of each
 op it runs. The delays are enqueued on the op's stream between its waits and
 its event (``Stream.sleep``), so on a ``DeferredStream`` or a GPU (which spins)
-they delay when the work happens and completes, not only when it is issued. Any order the plan's dependencies allow can come out; results must
+they delay when the work happens and completes, not only when it is issued.
+Any order the plan's dependencies allow can come out; results must
 stay bit for bit those of a run without chaos. A missing dependency, or an op
 treated as complete when it was merely enqueued, then shows as a wrong result
 or an error instead of waiting for an unlucky day (DESIGN.md, "Planner and

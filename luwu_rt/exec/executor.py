@@ -151,7 +151,8 @@ class Executor:
         if src.tier == "nvme":
             nvme.wait(nvme.submit_read(src.shard.unit, src.shard.state, first_chunk=info.first_chunk, buffer=view(dst)))
         elif dst.tier == "nvme":
-            nvme.wait(nvme.submit_write(dst.shard.unit, dst.shard.state, first_chunk=info.first_chunk, buffer=view(src)))
+            nvme.wait(nvme.submit_write(dst.shard.unit, dst.shard.state, first_chunk=info.first_chunk,
+                                        buffer=view(src)))
         else:  # asynchronous on a CUDA stream; the op's event says when the bytes are there
             view(dst).copy_(view(src), non_blocking=True)
 

@@ -75,7 +75,8 @@ class OptimizerStep:
 
     ``shards``: the plan's shard map. ``optim``: AdamW's settings, the schedule and clipping;
     ``total_steps``: the run's steps, where the cosine ends unless ``optim.schedule_steps`` says otherwise
-    ([Note: the schedule of a resumed run] in optim/schedule.py); ``loss_scale``: what the gradients are scaled by (fp16);
+    ([Note: the schedule of a resumed run] in optim/schedule.py); ``loss_scale``: what the gradients are
+    scaled by (fp16);
     ``adam_step``: updates applied before the first step run here (a resumed run's)."""
 
     def __init__(self, shards: Mapping[ShardId, ShardInfo], *, optim: OptimConfig, total_steps: int,

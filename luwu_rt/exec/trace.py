@@ -27,7 +27,8 @@ class Span:
         access = (op.outputs or op.inputs or (None,))[0]
         tier = access.tier if access is not None else getattr(op, "tier", "")
         nbytes = getattr(op, "nbytes", 0) or getattr(op, "comm_bytes", 0)
-        label = getattr(op, "name", "") or (f"{access.shard.state} u{access.shard.unit}.{access.shard.chunk}" if access else "")
+        label = getattr(op, "name", "") or (f"{access.shard.state} u{access.shard.unit}.{access.shard.chunk}"
+                                            if access else "")
         if op.inputs and op.outputs and op.kind in ("Load", "Store"):
             label += f" {op.inputs[0].tier}->{op.outputs[0].tier}"
         return cls(f"{op.kind} {label}".strip(), op.queue, start, end, nbytes, tier)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import torch
 
 from luwu_rt.exec.executor import Views
+from luwu_rt.kernels.dtypes import TORCH_DTYPES
+from luwu_rt.plan.dtypes import FIXED_STATE_DTYPES
 from luwu_rt.plan.ops import ShardId, ShardInfo
 
 __all__ = ["state_dtypes", "typed_views"]
@@ -23,10 +25,11 @@ __all__ = ["state_dtypes", "typed_views"]
 def state_dtypes(*, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The element type of every shard state kind of a plan: the compute copy and its workspaces
     (``param``, ``param_full``, ``param_slice``) in ``param_dtype``, the gradient and its workspaces in
-    ``grad_dtype``, the optimizer state in fp32 and a squared norm in float64 (as the planner sized them)."""
+    ``grad_dtype``, the optimizer state in fp32 and a squared norm in float64: the table the planner sized
+    them from ([Note: dtype names] in plan/dtypes.py)."""
     return {"param": param_dtype, "param_full": param_dtype, "param_slice": param_dtype,
             "grad": grad_dtype, "grad_full": grad_dtype, "grad_slice": grad_dtype,
-            "master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32, "norm": torch.float64}
+            **{state: TORCH_DTYPES[name] for state, name in FIXED_STATE_DTYPES.items()}}
 
 
 def typed_views(views: Views, shards: Mapping[ShardId, ShardInfo], dtypes: Mapping[str, torch.dtype], *,

@@ -46,15 +46,18 @@ class IOTicket:
 
 def _check_buffer(buffer: object, what: str) -> torch.Tensor:
     if not isinstance(buffer, torch.Tensor):
-        raise ValueError(f"{what}: buffer must be a torch.Tensor (e.g. from luwu_rt.io.aligned_empty), got {type(buffer).__name__}")
+        raise ValueError(f"{what}: buffer must be a torch.Tensor (e.g. from luwu_rt.io.aligned_empty), "
+                         f"got {type(buffer).__name__}")
     if buffer.device.type != "cpu":
-        raise ValueError(f"{what}: buffer must live in host memory, got device {buffer.device}; use a pinned CPU tensor and copy")
+        raise ValueError(f"{what}: buffer must live in host memory, got device {buffer.device}; "
+                         "use a pinned CPU tensor and copy")
     if buffer.layout != torch.strided:
         raise ValueError(f"{what}: buffer must be a dense (strided) tensor, got layout {buffer.layout}")
     if not buffer.is_contiguous():
         raise ValueError(f"{what}: buffer must be contiguous; call .contiguous() or read into a contiguous tensor")
     if buffer.dtype in _REJECTED_DTYPES:
-        raise ValueError(f"{what}: buffer dtype {buffer.dtype} cannot hold raw file bytes; use torch.uint8 or a numeric dtype")
+        raise ValueError(f"{what}: buffer dtype {buffer.dtype} cannot hold raw file bytes; "
+                         "use torch.uint8 or a numeric dtype")
     return buffer
 
 
@@ -95,9 +98,11 @@ class IOEngine:
             raise ValueError(f"IOEngine: backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(queue_depth, int) or not 1 <= queue_depth <= 4096:
             raise ValueError(f"IOEngine: queue_depth must be an int in [1, 4096], got {queue_depth!r}")
-        if not isinstance(block_bytes, int) or block_bytes < PAGE_BYTES or block_bytes % PAGE_BYTES or block_bytes > _MAX_BLOCK_BYTES:
+        if (not isinstance(block_bytes, int) or block_bytes < PAGE_BYTES or block_bytes % PAGE_BYTES
+                or block_bytes > _MAX_BLOCK_BYTES):
             raise ValueError(
-                f"IOEngine: block_bytes must be a multiple of {PAGE_BYTES} in [{PAGE_BYTES}, {_MAX_BLOCK_BYTES}], got {block_bytes!r}"
+                f"IOEngine: block_bytes must be a multiple of {PAGE_BYTES} in [{PAGE_BYTES}, {_MAX_BLOCK_BYTES}], "
+                f"got {block_bytes!r}"
             )
         if num_threads is None:
             num_threads = min(queue_depth, 8)
@@ -106,7 +111,8 @@ class IOEngine:
         self.queue_depth = queue_depth
         self.block_bytes = block_bytes
         self.num_threads = num_threads
-        kwargs = dict(queue_depth=queue_depth, block_bytes=block_bytes, num_threads=num_threads, num_cached_files=_NUM_CACHED_FILES)
+        kwargs = dict(queue_depth=queue_depth, block_bytes=block_bytes, num_threads=num_threads,
+                      num_cached_files=_NUM_CACHED_FILES)
         self._tickets: dict[int, IOTicket] = {}
         self._impl = self._open(_C, backend, kwargs)
 

@@ -10,8 +10,10 @@ import math
 
 import torch
 
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OUT_DTYPES = (torch.bfloat16, torch.float16)
+from luwu_rt.kernels.dtypes import COMPUTE_DTYPES, LOW_PRECISION_DTYPES
+
+GRAD_DTYPES = tuple(COMPUTE_DTYPES.values())
+OUT_DTYPES = LOW_PRECISION_DTYPES
 
 
 def _check_tensor(name: str, t: object, param: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from luwu_rt.plan.dtypes import DTYPE_NAMES, LOW_PRECISION
+from luwu_rt.kernels.dtypes import torch_dtype
+
 __all__ = ["Contestant", "OptimBench", "OptimBenchConfig", "RoundResults", "run_rounds"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HP = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
@@ -42,10 +44,10 @@ class OptimBenchConfig:
     def __post_init__(self) -> None:
         if self.numel < 1:
             raise ValueError(f"numel must be >= 1, got {self.numel}")
-        if self.grad_dtype not in _DTYPES:
-            raise ValueError(f"grad_dtype must be one of {sorted(_DTYPES)}, got {self.grad_dtype!r}")
-        if self.param_out not in (None, "bf16", "fp16"):
-            raise ValueError(f"param_out must be bf16, fp16 or None, got {self.param_out!r}")
+        if self.grad_dtype not in DTYPE_NAMES:
+            raise ValueError(f"grad_dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.grad_dtype!r}")
+        if self.param_out not in (None, *LOW_PRECISION):
+            raise ValueError(f"param_out must be {', '.join(LOW_PRECISION)} or None, got {self.param_out!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -90,10 +92,10 @@ class OptimBench:
         gen = torch.Generator().manual_seed(0)
         self.param = torch.randn(n, generator=gen).to(dev)
         self.grad32 = (torch.randn(n, generator=gen) * 1e-2).to(dev)
-        self.grad = self.grad32.to(_DTYPES[config.grad_dtype])
+        self.grad = self.grad32.to(torch_dtype(config.grad_dtype))
         self.exp_avg = torch.zeros(n, device=dev)
         self.exp_avg_sq = torch.zeros(n, device=dev)
-        self.out = None if config.param_out is None else torch.empty(n, dtype=_DTYPES[config.param_out], device=dev)
+        self.out = None if config.param_out is None else torch.empty(n, dtype=torch_dtype(config.param_out), device=dev)
         self._step = 0
         self._unavailable: dict[str, str] = {}
 

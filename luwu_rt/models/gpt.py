@@ -21,6 +21,7 @@ from torch import nn
 
 from luwu_rt.models.presets import GPTShape, get_preset
 from luwu_rt.models.units import UnitChain, lm_loss
+from luwu_rt.plan.gpt import gpt_units
 
 __all__ = ["GPT", "GPTBlock", "GPTChain", "GPTEmbedding", "GPTHead", "build_gpt"]
 
@@ -137,6 +138,12 @@ class GPTChain(UnitChain):
         if index == self.num_units - 1:
             return self.model.head(x, self.model.embed.wte.weight)
         return self.units[index](x)
+
+    def flops_per_token(self, index: int, *, seq_len: int) -> int:
+        """The preset's closed formula (plan/gpt.py), so that the engine plans a built-in GPT with the FLOPs
+        its preset is planned with: the generic count would take the head's read of unit 0 as the position
+        table too, which the head never multiplies by."""
+        return gpt_units(self.shape, seq_len=seq_len)[index].flops_per_token
 
 
 def _gpt_init_fn(num_layers: int):

@@ -106,6 +106,15 @@ class HFCausalLMChain(UnitChain):
         """Token ids the model embeds, from its config (the data loader checks the data against it)."""
         return int(self.model.config.vocab_size)
 
+    def attention_width(self, index: int) -> int:
+        """Every decoder layer attends over the sequence with its query heads (all of them, also where
+        grouped-query attention shares keys among them): heads x head width."""
+        if not 0 < index < self.num_units - 1:
+            return 0
+        config = self.model.config
+        heads = int(config.num_attention_heads)
+        return heads * int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+
     def context(self, inputs: torch.Tensor) -> _LlamaContext | None:
         if self._rotary is None:
             return None

@@ -40,7 +40,8 @@ class GPTShape:
         if min(self.num_layers, self.d_model, self.num_heads, self.vocab_size, self.max_seq_len) <= 0:
             raise ValueError(f"preset {self.name}: every dimension must be positive")
         if self.d_model % self.num_heads:
-            raise ValueError(f"preset {self.name}: d_model={self.d_model} is not a multiple of num_heads={self.num_heads}")
+            raise ValueError(f"preset {self.name}: d_model={self.d_model} is not a multiple of "
+                             f"num_heads={self.num_heads}")
 
     # Parameter counts per unit. A block has LayerNorm (2d) + QKV (3d^2 + 3d)
     # + attention projection (d^2 + d) + LayerNorm (2d) + MLP (2 f d^2 + f d + d).

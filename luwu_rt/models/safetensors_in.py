@@ -119,7 +119,6 @@ class SafetensorsIn:
             for key in handle.keys():
                 where[key] = handle
         self._units = self._resolve(chain, where)
-        self.num_tensors = len(where)
 
     def _resolve(self, chain: UnitChain, where: dict[str, object]) -> list[list[tuple[str, object, tuple]]]:
         units, used = [], set()

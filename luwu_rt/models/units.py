@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from luwu_rt.plan.spec import forward_flops_per_token
+
 __all__ = ["ParamSpec", "UnitChain", "chain_from_sequential", "lm_loss", "unit_seed"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -107,7 +109,8 @@ class UnitChain:
         if not units:
             raise ValueError("a unit chain needs at least one unit")
         self.units: tuple[nn.Module, ...] = tuple(units)
-        self.names: tuple[str, ...] = tuple(names) if names is not None else tuple(f"unit{i}" for i in range(len(units)))
+        self.names: tuple[str, ...] = (tuple(names) if names is not None
+                                       else tuple(f"unit{i}" for i in range(len(units))))
         if len(self.names) != len(self.units):
             raise ValueError(f"{len(self.names)} names given for {len(self.units)} units")
         self._loss_fn = loss_fn
@@ -124,11 +127,14 @@ class UnitChain:
                 else:
                     read_sets[index].add(owner)
             self._own.append(own)
+        held = [set(r) for r in read_sets]  # reads found by identity: the unit holds what it reads
         for index, extra in (reads or {}).items():
             for other in extra:
                 if not (0 <= other < len(self.units)) or other == index:
                     raise ValueError(f"unit {index} cannot read unit {other} of a {len(self.units)}-unit chain")
                 read_sets[index].add(other)
+        self._reached = tuple(tuple(sorted(r - h)) for r, h in zip(read_sets, held))
+        """Per unit, the units it reads without holding their parameters (declared reads only)."""
         self._reads = tuple(tuple(sorted(s)) for s in read_sets)
         self._readers = tuple(
             tuple(i for i in range(len(self.units)) if j in self._reads[i]) for j in range(len(self.units))
@@ -177,6 +183,27 @@ class UnitChain:
 
     def num_unit_params(self, index: int) -> int:
         return sum(p.numel() for p in self._own[index])
+
+    def flops_per_token(self, index: int, *, seq_len: int) -> int:
+        """Forward FLOPs per token of unit ``index`` over sequences of ``seq_len`` tokens, what the planner
+        predicts compute time from ([Note: FLOPs of a unit] in plan/spec.py): 2 per parameter the unit
+        multiplies by (its own and those it holds of other units, but not the rows of an ``nn.Embedding``
+        it only looks up), every parameter of a unit it reads without holding them (``reads=``: which of them
+        ``run`` touches is not known, so all count), and the attention ``attention_width`` says it computes.
+        A chain that knows its units' shapes better overrides this (``GPTChain``: its preset's formula)."""
+        unit = self.units[index]
+        lookups = {id(m.weight) for m in unit.modules() if isinstance(m, nn.Embedding)}
+        matmul = sum(p.numel() for p in unit.parameters() if id(p) not in lookups)
+        matmul += sum(self.num_unit_params(j) for j in self._reached[index])
+        return forward_flops_per_token(matmul_params=matmul, seq_len=seq_len,
+                                       attention_width=self.attention_width(index))
+
+    def attention_width(self, index: int) -> int:
+        """Query/key features of the causal self-attention over the sequence that unit ``index`` computes, 0
+        for none. Attention has no parameters of its own to be seen by, so a chain that has it says so; this
+        generic chain cannot tell and counts none, which under-counts a transformer block by about seq_len /
+        (12 x d_model) (11% at 1024 tokens of width 768)."""
+        return 0
 
     @property
     def num_params(self) -> int:

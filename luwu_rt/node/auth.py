@@ -91,7 +91,6 @@ class NodeGate:
     the ROUTER's handshakes; each refusal counted and logged when it happens ([Note: refused handshakes])."""
 
     def __init__(self, ctx, router, auth_keys: str, *, rejects: Counter, log: Callable[[str], None]) -> None:
-        import zmq
         from zmq.auth.thread import ThreadAuthenticator
 
         public, secret, clients = server_keys(auth_keys)

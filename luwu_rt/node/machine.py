@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from luwu_rt.plan.dtypes import full_name
+
 from .chunks import Assembly, cut
 from .config import NodeConfig
 from .events import (Begin, Event, NormsKnown, ReadState, Refusal, StateRead, StepDone, UnitServed)
@@ -31,8 +33,6 @@ from .runner import NodeRunner
 from .shards import NormHub, pack_norms, unpack_norms
 
 __all__ = ["NodeProtocol"]
-
-_PARAM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class NodeProtocol:
@@ -293,7 +293,7 @@ class NodeProtocol:
             return False
         # A view of the served buffer, sent without a copy: it is rewritten two steps later at the
         # earliest, after every worker received it ([Note: double-buffered parameters] in runner.py).
-        self._send_range(identity, T.PARAM, buf, dtype=DTYPE_CODES[_PARAM_DTYPES[runner.manifest["dtype"]]],
+        self._send_range(identity, T.PARAM, buf, dtype=DTYPE_CODES[full_name(runner.manifest["dtype"])],
                          rank=rank, step=step, unit=unit)
         return True
 

@@ -11,7 +11,8 @@ the payload's CRC-32C (``_C.crc32c``: three interleaved streams of the SSE4.2
 instruction, about 4x zlib's CRC32, without the GIL). Over CURVE every frame already carries a Poly1305 MAC, so
 both sides send flag ``UNCHECKED`` and skip the CRC there (two passes over every
 byte: half the throughput, benchmarks/results/2026-12-03-node.md); a receiver
-accepts ``UNCHECKED`` only on an authenticated transport (``trusted``). Anything wrong raises ``ProtocolError`` carrying a short
+accepts ``UNCHECKED`` only on an authenticated transport (``trusted``). Anything
+wrong raises ``ProtocolError`` carrying a short
 reason that the node counts (``NodeService.rejects``): a malformed message is
 dropped and counted, never answered with a traceback, never applied.
 
@@ -48,7 +49,8 @@ Per message type (W: worker -> node, N: node -> worker):
   STATE      N  those fp32 bytes at ``offset``, ``chunk`` = the state's index; flag
                 ``LAST`` on the final one.
   ERROR      N  payload: a UTF-8 line naming the problem and the fix.
-  SNAPSHOT   reserved (snapshots are files: [Note: node snapshots] in snapshot.py).
+Type 7 was SNAPSHOT, reserved and never sent (snapshots are files: [Note: node snapshots] in snapshot.py);
+it has no name now, so it decodes as an unknown type, and its number stays unused so the others keep theirs.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ import struct
 from dataclasses import dataclass
 
 from luwu_rt._C import crc32c
+from luwu_rt.plan.dtypes import ELEMENT_BYTES
 
-__all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError", "T", "VERSION",
-           "F", "decode", "encode"]
+__all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError",
+           "T", "VERSION", "F", "decode", "encode"]
 
 MAGIC = b"LUWU"
 VERSION = 3
@@ -79,9 +82,10 @@ back in TCP, not in the node's memory."""
 class T:
     """Message types."""
 
-    (HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT, SNAPSHOT, ERROR, ACK, INIT, STATS, NORM, BEGIN,
-     GET_STATE, STATE) = range(1, 16)
-    NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT", 7: "SNAPSHOT",
+    HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT = range(1, 7)
+    # 7 was SNAPSHOT, never sent: unused, so that the types after it keep their numbers on the wire.
+    ERROR, ACK, INIT, STATS, NORM, BEGIN, GET_STATE, STATE = range(8, 16)
+    NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT",
              8: "ERROR", 9: "ACK", 10: "INIT", 11: "STATS", 12: "NORM", 13: "BEGIN", 14: "GET_STATE", 15: "STATE"}
 
 
@@ -96,8 +100,10 @@ class F:
     ALL = DUPLICATE | BYE | LAST | UNCHECKED
 
 
-DTYPES = {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 2), 4: ("json", 1), 5: ("utf8", 1),
-          6: ("float64", 8)}
+_DTYPE_CODE_NAMES = ("none", "float32", "bfloat16", "float16", "json", "utf8", "float64")
+"""The header's dtype codes, by position: the wire's numbering, appended to only. Tensor payloads are named as
+in [Note: dtype names] (plan/dtypes.py), the others are bytes: none, JSON, a UTF-8 line."""
+DTYPES = {code: (name, ELEMENT_BYTES.get(name, 1)) for code, name in enumerate(_DTYPE_CODE_NAMES)}
 """dtype code -> (name, bytes per element)."""
 DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
 INIT_STATES = ("master", "exp_avg", "exp_avg_sq")

@@ -34,6 +34,7 @@ import torch
 from luwu_rt.config import from_mapping
 from luwu_rt.exec import Executor, OptimizerStep, WaitAll, busy_by_queue, state_dtypes, typed_views
 from luwu_rt.exec.chaos import Chaos
+from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan import Budgets, Placement, plan_node_auto, validate
 from luwu_rt.store import TieredStore
@@ -45,7 +46,6 @@ from .shards import slice_of
 
 __all__ = ["NodeRunner", "Pushes", "Served"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NODE_CHAOS_RANK = 1 << 16
 """The node draws chaos delays of its own, not those of any worker rank."""
 
@@ -170,7 +170,7 @@ class NodeRunner:
         adam_step = int(manifest["adam_step"]) if adam_step is None else adam_step
         self.manifest = manifest
         self.model = model_spec(manifest)
-        self.param_dtype = _DTYPES[manifest["dtype"]]
+        self.param_dtype = torch_dtype(manifest["dtype"])
         self.timeout_s = timeout_s
         nvme_bytes = None
         if nvme_dir:
@@ -189,7 +189,8 @@ class NodeRunner:
         if self.buffer_bytes >= host_bytes:
             raise ValueError(f"the node's push and serve buffers alone take {self.buffer_bytes / 2**20:.1f} MiB "
                              f"({num_workers} worker(s) x fp32 gradients + 2 x the parameters + one unit's initial "
-                             f"state + the workers' credit), more than its host memory of {host_bytes / 2**20:.1f} MiB: raise --host-mem")
+                             f"state + the workers' credit), more than its host memory of "
+                             f"{host_bytes / 2**20:.1f} MiB: raise --host-mem")
         host_bytes -= self.buffer_bytes
         result = plan_node_auto(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
                                                             nvme_bytes=nvme_bytes), num_workers=num_workers,

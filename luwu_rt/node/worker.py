@@ -55,10 +55,7 @@ from .client import NodeClient, NodeError, NodeLost
 from .protocol import INIT_STATES
 from .shards import slice_of
 
-__all__ = ["NodeWorker", "WORKER_STATES"]
-
-WORKER_STATES = ("param", "grad")
-"""What a worker of strategy node keeps in its store."""
+__all__ = ["NodeWorker"]
 
 
 class NodeWorker:
@@ -146,7 +143,8 @@ class NodeWorker:
         m = self.model
         # Several shards: the addresses tell shard i > 0 where shard 0 takes the norms ([Note: node shards]).
         nodes = {"nodes": self.addresses} if len(self.addresses) > 1 else {}
-        return {**nodes, "model": {"units": [{"name": u.name, "num_params": u.num_params, "reads": list(u.reads)} for u in m.units],
+        units = [{"name": u.name, "num_params": u.num_params, "reads": list(u.reads)} for u in m.units]
+        return {**nodes, "model": {"units": units,
                           "param_bytes": m.param_bytes, "chunk_bytes": m.chunk_bytes,
                           "max_shards_per_state": m.max_shards_per_state,
                           "optimizer_waits_for_backward": m.optimizer_waits_for_backward},

@@ -52,7 +52,8 @@ def resume_line(optim: OptimConfig, *, step: int, steps: int, saved_end: int) ->
     schedule the checkpoint had end at ``saved_end`` ([Note: the schedule of a resumed run])."""
     end, first = schedule_end(optim, steps=steps), step + 1
     if end != saved_end:
-        return (f"learning rate: --schedule-steps {end} replaces the checkpoint's schedule (cosine to step {saved_end}): "
+        return (f"learning rate: --schedule-steps {end} replaces the checkpoint's schedule (cosine to step "
+                f"{saved_end}): "
                 f"step {first} runs at {_lr(optim, first, end):.3g} instead of {_lr(optim, first, saved_end):.3g}")
     if steps <= end:
         return (f"learning rate: the checkpoint's schedule goes on (cosine to {optim.min_lr:.3g} at step {end}): "

@@ -31,17 +31,19 @@ from .policy import LRU, POLICIES, Belady, Policy, PolicyView, as_policy
 from .search import DoesNotFit, PlanResult, Remedy, fitting_budgets, plan_auto, plan_node_auto
 from .sizes import flag_size, format_size, parse_size
 from .gpt import gpt_model_spec
-from .spec import (RUNNABLE_STRATEGIES, STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement,
-                   Strategy, UnitSpec)
+from .spec import (DATA_PARALLEL, STATE_KINDS, STRATEGIES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement,
+                   Strategy, UnitSpec, forward_flops_per_token)
 from .validate import PlanError, validate, validate_ranks
 
 __all__ = [
     "COMM_QUEUES", "Collective", "GLOBAL_UNIT", "GradNorm", "NormReduce", "Recv", "Serve", "WORKSPACE_KINDS", "Wait",
-    "Access", "Belady", "LRU", "Policy", "PolicyView", "as_policy", "Budgets", "Compute", "DoesNotFit", "Free", "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
+    "Access", "Belady", "LRU", "Policy", "PolicyView", "as_policy", "Budgets", "Compute", "DoesNotFit", "Free",
+    "Gather", "HardwareProfile", "Load", "ModelSpec", "Op",
     "OptimStep", "POLICIES", "PlanError", "PlanResult", "Placement", "Pull", "Push", "QUEUES", "Reduce", "Remedy",
-    "RUNNABLE_STRATEGIES", "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy",
+    "DATA_PARALLEL", "STATE_KINDS", "STRATEGIES", "ShardId", "ShardInfo", "StepCost", "Store", "Strategy",
     "SwapPlan", "TIERS",
     "UnitSpec", "collective_seconds", "estimate", "fitting_budgets", "flag_size", "format_ops", "format_size",
-    "gpt_model_spec", "lower_bounds", "node_lower_bounds", "op_seconds", "op_times", "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
+    "forward_flops_per_token", "gpt_model_spec", "lower_bounds", "node_lower_bounds", "op_seconds", "op_times",
+    "parse_size", "plan_auto", "plan_node", "plan_node_auto", "plan_step",
     "push_order", "validate", "validate_ranks",
 ]

@@ -55,7 +55,8 @@ class Arena:
             places = {segs[k][0] for k in range(i, j + 1)} | {segs[k][1] - nbytes for k in range(i, j + 1)}
             for start in places:
                 if lo <= start and start + nbytes <= hi:
-                    newest = max(-1 if f is None else f for a, b, f in segs[i : j + 1] if a < start + nbytes and start < b)
+                    newest = max(-1 if f is None else f
+                                 for a, b, f in segs[i : j + 1] if a < start + nbytes and start < b)
                     if best is None or (newest, length, start) < best:
                         best = (newest, length, start)
         if best is None:

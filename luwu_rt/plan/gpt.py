@@ -2,9 +2,11 @@
 
 The planner itself knows nothing about transformers: it plans a chain of
 ``UnitSpec``s. This module turns a ``GPTShape`` (``luwu_rt.models.presets``)
-into that chain from closed formulas, so that ``luwu plan`` can answer for a
-175B model without building it. FLOPs follow Kaplan et al. (2020): 2 per
-parameter per token plus 2 x seq_len x d_model per block for attention.
+into that chain from closed formulas, so that a 175B model can be planned
+without building it. FLOPs follow Kaplan et al. (2020) ([Note: FLOPs of a
+unit] in spec.py): 2 per parameter per token plus 2 x seq_len x d_model per
+block for attention; the embedding is a lookup, the tied head multiplies by
+the embedding matrix.
 Activations follow Korthikanti et al. (2022): each unit's saved input, one
 block's recompute workspace and the logits.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import ModelSpec, UnitSpec
+from .spec import ModelSpec, UnitSpec, forward_flops_per_token
 
 __all__ = ["gpt_units", "gpt_activation_bytes", "gpt_model_spec"]
 
@@ -22,12 +24,14 @@ def gpt_units(shape: Any, *, seq_len: int) -> tuple[UnitSpec, ...]:
     """Embedding, blocks and head of ``shape``. A tied head reads the embedding's parameters, so
     the embedding unit is accessed at F0, F_head, B_head and B0."""
     d = shape.d_model
-    head_matmul = shape.vocab_size * d
-    units = [UnitSpec(name="embedding", num_params=shape.embedding_params, flops_per_token=0)]
-    units += [UnitSpec(name=f"block{i}", num_params=shape.block_params,
-                       flops_per_token=2 * shape.block_params + 2 * seq_len * d) for i in range(shape.num_layers)]
+    tied_matrix = shape.vocab_size * d if shape.tie_embeddings else 0  # the head multiplies by wte, read from unit 0
+    block_flops = forward_flops_per_token(matmul_params=shape.block_params, seq_len=seq_len, attention_width=d)
+    units = [UnitSpec(name="embedding", num_params=shape.embedding_params,
+                      flops_per_token=forward_flops_per_token(matmul_params=0))]
+    units += [UnitSpec(name=f"block{i}", num_params=shape.block_params, flops_per_token=block_flops)
+              for i in range(shape.num_layers)]
     units.append(UnitSpec(name="head", num_params=shape.head_params, reads=(0,) if shape.tie_embeddings else (),
-                          flops_per_token=2 * (shape.head_params + (head_matmul if shape.tie_embeddings else 0))))
+                          flops_per_token=forward_flops_per_token(matmul_params=shape.head_params + tied_matrix)))
     return tuple(units)
 
 

@@ -52,7 +52,8 @@ from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strate
 
 __all__ = ["plan_step", "walk_steps", "lower_bounds", "effective_placement", "OutOfBudget", "POLICIES"]
 
-_QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d", ("device", "host"): "d2h"}
+_QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d",
+          ("device", "host"): "d2h"}
 _NEVER = float("inf")
 
 
@@ -375,7 +376,8 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     steps = build_steps(model, strategy, placement, layout)
     # Only persistent kinds hold their home bytes all step long; an optimizer-only step's gradients start at
     # home too, but each dies after its unit's update, so they count where a step uses them.
-    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and home_of(s.state, placement) == t)
+    home = {t: sum(i.nbytes for s, i in layout.items()
+                   if s.state in PERSISTENT_KINDS and home_of(s.state, placement) == t)
             for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:

@@ -242,7 +242,8 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
     if not remedies:  # no bounded search found budgets: say why the fastest attempt failed
         return DoesNotFit(f"does not fit: {errors[0] if errors else 'no placement plans'}", needs=needs)
     nvme = "" if budgets.nvme_bytes is None else f", NVMe {format_size(budgets.nvme_bytes)}"
-    message = (f"does not fit: needs at least {' or '.join(parts)} (budgets: device {format_size(budgets.device_bytes)}, "
+    message = (f"does not fit: needs at least {' or '.join(parts)} "
+               f"(budgets: device {format_size(budgets.device_bytes)}, "
                f"host {format_size(budgets.host_bytes)}{nvme}); it plans with {', or with '.join(flags)}")
     return DoesNotFit(message, needs=needs, remedies=remedies)
 

@@ -39,13 +39,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .dtypes import ELEMENT_BYTES, FIXED_STATE_DTYPES
 from .ops import GLOBAL_UNIT, Compute, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
 from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
 
-__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points", "group_members",
-           "home_of"]
+__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points",
+           "group_members", "home_of"]
 
-NORM_BYTES = 8
+NORM_BYTES = ELEMENT_BYTES[FIXED_STATE_DTYPES["norm"]]
 """A squared norm is one float64."""
 
 
@@ -87,11 +88,12 @@ def final_points(reads: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...
 
 
 def element_bytes(model: ModelSpec, state: str) -> int:
+    """Bytes per element of shard kind ``state`` ([Note: dtype names] in dtypes.py)."""
     if state.startswith("param"):
         return model.param_bytes
     if state.startswith("grad"):
         return model.grad_bytes
-    return NORM_BYTES if state == "norm" else 4
+    return ELEMENT_BYTES[FIXED_STATE_DTYPES[state]]
 
 
 def home_of(state: str, placement: Placement) -> str:
@@ -243,7 +245,8 @@ class _Sequence:
         for r in self.reads(k):
             if self.strategy.sharded("param"):
                 self.collective(Gather, "gather", r, "all_gather", self.full_bytes(r, "param"),
-                                self.needs((r,), "param", "device", "r") + self.needs((r,), "param_full", "device", "w"))
+                                self.needs((r,), "param", "device", "r")
+                                + self.needs((r,), "param_full", "device", "w"))
                 param_needs += self.needs((r,), "param_full", "device", "r")
             else:
                 param_needs += self.needs((r,), "param", "device", "r")
@@ -304,8 +307,10 @@ class _Sequence:
             self.collective(Reduce, "reduce_cross", u, "all_reduce", self.elements(u, "grad") * self.model.grad_bytes,
                             self.needs((u,), "grad", "device", "rw"))
         if _tracks_norm(self.model, self.strategy):
-            self.add(GradNorm, self.optim_queue, dict(unit=u, num_params=self.elements(u, self.gkind), tier=self.optim_tier),
-                     self.needs((u,), self.gkind, self.optim_tier, "r") + self.needs((u,), "norm", self.optim_tier, "w"))
+            self.add(GradNorm, self.optim_queue,
+                     dict(unit=u, num_params=self.elements(u, self.gkind), tier=self.optim_tier),
+                     self.needs((u,), self.gkind, self.optim_tier, "r")
+                     + self.needs((u,), "norm", self.optim_tier, "w"))
 
     def optimizer(self, u: int) -> None:
         """The update of this rank's part of unit ``u``; zero1/2 then gather the full parameters."""
@@ -325,7 +330,8 @@ class _Sequence:
         different slices of the gradients."""
         units = range(len(self.model.units))
         sliced = self.strategy.sharded("grad") or self.strategy.name == "zero1"
-        needs = self.needs(units, "norm", self.optim_tier, "r") + self.needs((GLOBAL_UNIT,), "norm", self.optim_tier, "w")
+        needs = (self.needs(units, "norm", self.optim_tier, "r")
+                 + self.needs((GLOBAL_UNIT,), "norm", self.optim_tier, "w"))
         self.collective(NormReduce, "reduce", GLOBAL_UNIT, "all_reduce" if sliced else "local", NORM_BYTES, needs)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "STRATEGIES", "RUNNABLE_STRATEGIES", "ALIGN_BYTES",
-    "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy",
+    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "DATA_PARALLEL", "STRATEGIES", "ALIGN_BYTES",
+    "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy", "forward_flops_per_token",
 ]
 
 TIERS = ("device", "host", "nvme")
@@ -23,10 +23,12 @@ STATE_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
 PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
 """Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it."""
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
-STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
-RUNNABLE_STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node")
-"""Strategies ``luwu train`` can run today (``node`` with a ``luwu node serve``); ``luwu plan`` says so
-for any other, whose plans are predictions only."""
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+"""The strategies of several ranks that each run the optimizer on their own copy or shard of the state:
+``TrainConfig.strategy == "auto"`` picks among them (engine/strategy.py)."""
+STRATEGIES = ("local", *DATA_PARALLEL, "node")
+"""Every strategy, the one list the planner, ``TrainConfig.strategy`` (``--strategy``) and the CLI's help
+take theirs from: one process (``local``), the data-parallel family, and workers with an optimizer node."""
 PLACEMENT_CHOICES = ("device", "host", "nvme", "auto")
 ALIGN_BYTES = 4096
 """O_DIRECT alignment: every state buffer and chunk is a multiple of this."""
@@ -49,12 +51,32 @@ class UnitSpec:
     reads: tuple[int, ...] = ()
     """Other units whose parameters this unit's compute reads: a tied head reads the embedding."""
     flops_per_token: int = 0
-    """Forward FLOPs per token; backward with recompute costs three times this."""
+    """Forward FLOPs per token (``forward_flops_per_token``); backward with recompute costs three times this."""
 
     def __post_init__(self) -> None:
         _check_positive(f"UnitSpec({self.name})", num_params=self.num_params)
         if self.flops_per_token < 0:
             raise ValueError(f"UnitSpec({self.name}).flops_per_token must not be negative")
+
+
+def forward_flops_per_token(*, matmul_params: int, seq_len: int = 0, attention_width: int = 0) -> int:
+    """Forward FLOPs per token of one unit ([Note: FLOPs of a unit]): ``matmul_params`` parameters that
+    multiply the token's activations, and a causal self-attention of ``attention_width`` query/key features
+    over sequences of ``seq_len`` tokens (0: none).
+
+    [Note: FLOPs of a unit]
+    Kaplan et al. (2020), table 1: a forward pass costs 2 FLOPs per token for every weight the token's
+    activations are multiplied by (a multiply and an add), plus 2 x n_ctx x d_attn per attention layer for
+    the attention scores, which no parameter stands for. Two consequences decide what a unit counts: a table
+    the unit only looks rows up in (a token embedding) multiplies nothing and counts 0, and a matrix the unit
+    reads from another one (a tied head's output matrix is the embedding's) counts where it multiplies. This
+    is the one formula: the built-in GPT's closed form (plan/gpt.py) and every chain the engine trains
+    (``UnitChain.flops_per_token``, models/units.py) fill ``UnitSpec.flops_per_token`` through it.
+    """
+    if min(matmul_params, seq_len, attention_width) < 0:
+        raise ValueError(f"matmul_params={matmul_params}, seq_len={seq_len} and attention_width={attention_width} "
+                         "must not be negative")
+    return 2 * matmul_params + 2 * seq_len * attention_width
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,7 +159,8 @@ class Placement:
     def __post_init__(self) -> None:
         for f in fields(self):
             if getattr(self, f.name) not in PLACEMENT_CHOICES:
-                raise ValueError(f"placement {f.name}={getattr(self, f.name)!r}: choose one of {', '.join(PLACEMENT_CHOICES)}")
+                raise ValueError(f"placement {f.name}={getattr(self, f.name)!r}: "
+                                 f"choose one of {', '.join(PLACEMENT_CHOICES)}")
 
     @property
     def is_resolved(self) -> bool:
@@ -256,7 +279,7 @@ class Strategy:
     """Data-parallel strategy and the world this rank belongs to."""
 
     name: str = "local"
-    """One of ``local``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, ``node``."""
+    """One of ``STRATEGIES``: ``local``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, ``node``."""
     world_size: int = 1
     """Data-parallel ranks (workers, for ``node``)."""
     group_size: int = 0
@@ -267,7 +290,8 @@ class Strategy:
             raise ValueError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGIES)}")
         _check_positive("Strategy", world_size=self.world_size)
         if self.name == "local" and self.world_size != 1:
-            raise ValueError(f"strategy local runs one process; world_size={self.world_size} needs ddp, zero1/2/3, hsdp or node")
+            raise ValueError(f"strategy local runs one process; world_size={self.world_size} needs one of "
+                             f"{', '.join(s for s in STRATEGIES if s != 'local')}")
         if self.group_size < 0 or self.world_size % self.shard_ways:
             raise ValueError(f"hsdp group size {self.shard_ways} must divide world_size={self.world_size}; "
                              f"set group_size to a divisor")

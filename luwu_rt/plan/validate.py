@@ -285,4 +285,5 @@ def validate_ranks(plans: list[SwapPlan]) -> None:
                     at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
                     raise PlanError(f"ranks {rank} and {other} issue different collectives on group {group!r} "
                                     f"(queue {queue}) at its collective #{at}: "
-                                    f"{mine[at] if at < len(mine) else 'none'} vs {theirs[at] if at < len(theirs) else 'none'}")
+                                    f"{mine[at] if at < len(mine) else 'none'} vs "
+                                    f"{theirs[at] if at < len(theirs) else 'none'}")

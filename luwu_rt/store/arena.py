@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from luwu_rt.io import PAGE_BYTES, aligned_empty
+from luwu_rt.io import aligned_empty
 
 __all__ = ["Arena", "host_memory_available_bytes"]
 
@@ -74,8 +74,3 @@ class Arena:
         out = torch.empty(0, dtype=dtype, device=self.buffer.device)
         start = self.buffer.storage_offset() + offset  # bytes: buffer is uint8
         return out.set_(self.buffer.untyped_storage(), start // itemsize, (nbytes // itemsize,))
-
-    @staticmethod
-    def round_up(nbytes: int) -> int:
-        """Sizes of slots are rounded to pages so every view can feed O_DIRECT IO."""
-        return -(-nbytes // PAGE_BYTES) * PAGE_BYTES

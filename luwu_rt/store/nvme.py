@@ -84,7 +84,8 @@ class NvmeTier:
         ends: dict[str, int] = {}
         for (unit, state), nbytes in sorted(regions.items()):
             if nbytes <= 0 or nbytes % PAGE_BYTES:
-                raise ValueError(f"NvmeTier: region ({unit}, {state}) has {nbytes} bytes; it must be a positive multiple of {PAGE_BYTES}")
+                raise ValueError(f"NvmeTier: region ({unit}, {state}) has {nbytes} bytes; "
+                                 f"it must be a positive multiple of {PAGE_BYTES}")
             offset = ends.get(state, 0)
             out[(unit, state)] = _Region(self.directory / f"{state}.bin", offset, nbytes)
             ends[state] = offset + nbytes
@@ -116,9 +117,11 @@ class NvmeTier:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot create the NVMe directory ({exc.strerror}); pass a writable --nvme-dir", str(self.directory)) from None
+            raise OSError(exc.errno, f"cannot create the NVMe directory ({exc.strerror}); pass a writable --nvme-dir",
+                          str(self.directory)) from None
         if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise OSError(errno.EACCES, "the NVMe directory is not writable; pass a writable --nvme-dir", str(self.directory))
+            raise OSError(errno.EACCES, "the NVMe directory is not writable; pass a writable --nvme-dir",
+                          str(self.directory))
         missing = sum(n - self._allocated_bytes(p) for p, n in self._file_bytes.items())
         free = shutil.disk_usage(self.directory).free
         if missing > free:
@@ -136,7 +139,8 @@ class NvmeTier:
                 # message instead of in the middle of a step.
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
-                raise OSError(exc.errno, f"cannot reserve {nbytes} bytes for the NVMe tier ({exc.strerror})", str(path)) from None
+                raise OSError(exc.errno, f"cannot reserve {nbytes} bytes for the NVMe tier ({exc.strerror})",
+                              str(path)) from None
             finally:
                 os.close(fd)
 
@@ -152,7 +156,8 @@ class NvmeTier:
         try:
             data = json.loads(manifest.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{manifest}: unreadable NVMe manifest ({exc}); delete the directory to start afresh") from None
+            raise ValueError(f"{manifest}: unreadable NVMe manifest ({exc}); "
+                             "delete the directory to start afresh") from None
         if data.get("format") != FORMAT or data.get("layout") != self._layout_json():
             raise ValueError(
                 f"{self.directory} holds NVMe state of a different model or chunk size; "
@@ -226,7 +231,8 @@ class NvmeTier:
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
-        data = {"format": FORMAT, "layout": self._layout_json(), "crc32c": [self._crcs[k] for k in sorted(self._regions)]}
+        data = {"format": FORMAT, "layout": self._layout_json(),
+                "crc32c": [self._crcs[k] for k in sorted(self._regions)]}
         atomic_write_text(self.directory / MANIFEST, json.dumps(data))
 
 

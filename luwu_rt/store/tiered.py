@@ -96,7 +96,8 @@ class TieredStore:
             io = IOEngine(backend=io_backend)
             if root.exists():
                 shutil.rmtree(root)
-            store = cls(plan, arenas=arenas, nvme=NvmeTier(root, regions=regions, chunk_bytes=plan.chunk_bytes, engine=io))
+            nvme = NvmeTier(root, regions=regions, chunk_bytes=plan.chunk_bytes, engine=io)
+            store = cls(plan, arenas=arenas, nvme=nvme)
         except BaseException:
             lock.release()
             raise

@@ -97,7 +97,8 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                         "64KiB", "--device-mem", "256MiB", "--host-mem", "64MiB", "--rounds", "1",
                                         "--sweep", "4", "--out", f"{tmp}/simulate.md"],
                                   out=f"{tmp}/simulate.md",
-                                  expect=[r"\| simulate, 2 ranks \| \d+ \| \d+\.\d+ \| [\d,]+ \| [\d.e-]+ \| \+0\.00% \|",
+                                  expect=[r"\| simulate, 2 ranks \| \d+ \| \d+\.\d+ \| [\d,]+ \| [\d.e-]+ "
+                                          r"\| \+0\.00% \|",
                                           r"\| simulate, 2 ranks, chaos \| \d+ \|",
                                           r"P12: all 2 ranks of the gpt-tiny plan simulated in \d+\.\d+ s",
                                           r"agreement with estimate: max \|sim - est\| / est = 0 \(1 rank\), 0 \(every "
@@ -186,7 +187,8 @@ config = p7_config(parse_args(["--nvme-dir", sys.argv[2], *sys.argv[3:]]))
 off = config.offload
 spec = config_model_spec(as_unit_chain(config.model), config,
                          device_type="cuda" if torch.cuda.is_available() else "cpu")
-result = plan_auto(spec, budgets=Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=1 << 40),
+budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=1 << 40)
+result = plan_auto(spec, budgets=budgets,
                    placement=Placement(params=off.params, optimizer=off.optimizer, grads=off.grads))
 print(json.dumps({"model": config.model, "device_mem": off.device_mem_bytes, "activations": spec.activation_bytes,
                   "placement": str(result.placement)}))

@@ -4,8 +4,9 @@ import sys
 
 
 def test_offload_step_json_fields(tmp_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--params", "3M", "--unit-params", "1M",
-                        "--chunk-size", "1MiB", "--host-mem", "64MiB", "--steps", "2", "--nvme-dir", str(tmp_path), "--json"],
+    r = subprocess.run([sys.executable, "-m", "luwu_rt", "bench", "offload-step", "--params", "3M",
+                        "--unit-params", "1M", "--chunk-size", "1MiB", "--host-mem", "64MiB", "--steps", "2",
+                        "--nvme-dir", str(tmp_path), "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -32,7 +32,8 @@ def test_an_existing_nvme_dir_stays(tmp_path) -> None:
     r = _luwu("train", *SMALL, "--nvme-dir", str(nv))
     assert r.returncode == 0, r.stderr
     assert "creating" not in r.stderr
-    assert nv.is_dir() and not (nv / "luwu_state").exists()  # its files go; the lock file stays ([Note: directory locks])
+    # its files go; the lock file stays ([Note: directory locks])
+    assert nv.is_dir() and not (nv / "luwu_state").exists()
 
 
 def test_a_created_nvme_dir_of_several_ranks_is_removed(tmp_path) -> None:

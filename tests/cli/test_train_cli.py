@@ -40,7 +40,8 @@ def test_kill_minus_nine_then_resume_continues_from_last_checkpoint(tmp_path) ->
 
     log = tmp_path / "killed.jsonl"
     cmd = [sys.executable, "-m", "luwu_rt", "train", "--steps", str(steps), *SMALL, "--json-log", str(log),
-           "--ckpt-dir", str(ck), "--ckpt-every", "2", "--offload-optimizer", "nvme", "--nvme-dir", str(tmp_path / "nv")]
+           "--ckpt-dir", str(ck), "--ckpt-every", "2", "--offload-optimizer", "nvme",
+           "--nvme-dir", str(tmp_path / "nv")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and (not log.exists() or len(open(log).readlines()) < 5):
@@ -102,5 +103,6 @@ def test_failed_checkpoint_write_leaves_previous_checkpoint(tmp_path) -> None:
     )
     r = subprocess.run([sys.executable, "-c", script, str(ck), *SMALL], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert sorted(p.name for p in ck.iterdir() if p.name != ".luwu.lock") == ["step_00000002"]  # the run's lock file stays
+    # The run's lock file stays.
+    assert sorted(p.name for p in ck.iterdir() if p.name != ".luwu.lock") == ["step_00000002"]
     assert luwu("train", "--steps", "3", *SMALL, "--ckpt-dir", str(ck), "--resume").returncode == 0

@@ -21,7 +21,8 @@ def test_several_ranks_refuse_local_and_a_group_size_that_does_not_divide():
 
 
 def test_hsdp_in_groups_of_one_runs_as_ddp():
-    assert [(s.name, s.world_size) for s in candidate_strategies("hsdp", world_size=4, shard_group_size=1)] == [("ddp", 4)]
+    hsdp = candidate_strategies("hsdp", world_size=4, shard_group_size=1)
+    assert [(s.name, s.world_size) for s in hsdp] == [("ddp", 4)]
     assert [s.name for s in candidate_strategies("auto", world_size=4, shard_group_size=1)] == ["ddp", "zero1", "zero2",
                                                                                                "zero3"]
 

@@ -14,17 +14,18 @@ from luwu_rt.config import from_mapping
 from luwu_rt.engine import Engine, TrainConfig
 from luwu_rt.engine.compute import InputStore, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.workload import (
-    COMPUTE_DTYPES,
     device_budget,
     kept_units,
     measure_activations,
     train_model_spec,
 )
+from luwu_rt.kernels.dtypes import COMPUTE_DTYPES
 from luwu_rt.models.gpt import build_gpt
+from luwu_rt.models.presets import get_preset
 from luwu_rt.models.units import UnitChain, chain_from_sequential
 from luwu_rt.plan import parse_size
 from luwu_rt.plan.analysis import params_at_risk
-from luwu_rt.plan.gpt import gpt_activation_bytes
+from luwu_rt.plan.gpt import gpt_activation_bytes, gpt_model_spec
 
 VOCAB = 64
 
@@ -100,8 +101,9 @@ def _width_into(unit: nn.Module, dropout: nn.Module) -> int:
     return linears[-1].out_features
 
 
-# Device arenas (beside the activations) under which the plan reuses kept units' parameter slots before their backward (about two
-# gpt-tiny blocks; a few of the small chain's units), and roomy ones with the parameters at home there.
+# Device arenas (beside the activations) under which the plan reuses kept units' parameter slots before their
+# backward (about two gpt-tiny blocks; a few of the small chain's units), and roomy ones with the parameters at home
+# there.
 SMALL_DEVICE = {"gpt-tiny": "2MiB", "sequential": "48KiB"}
 
 
@@ -313,6 +315,17 @@ def test_model_spec_is_the_engines_with_the_measured_reserve(tmp_path) -> None:
     else:  # on a GPU every unit recomputes from its saved input: 1 MiB per block and the head, ids for unit 0
         assert est.kept_bytes == 0
         assert est.saved_input_bytes == last * 2**20 + config.batch_size * config.seq_len * 8
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "gpt-small"])
+def test_a_gpt_the_engine_plans_has_the_flops_of_its_preset(preset) -> None:
+    """One FLOP formula ([Note: FLOPs of a unit]): the engine's spec of a built-in GPT counts attention and
+    the tied head's matrix and no FLOPs for the embedding lookup, exactly as plan/gpt.py plans the preset."""
+    chain = build_gpt(preset)
+    spec = train_model_spec(chain, batch_size=2, seq_len=96, chunk_bytes=4096)
+    analytic = gpt_model_spec(get_preset(preset), batch_size=2, seq_len=96)
+    assert [u.flops_per_token for u in spec.units] == [u.flops_per_token for u in analytic.units]
+    assert spec.units[0].flops_per_token == 0 and spec.units[1].flops_per_token > 2 * spec.units[1].num_params
 
 
 def test_timeline_has_one_entry_per_op() -> None:

@@ -49,14 +49,6 @@ def test_init_from_a_folder_into_a_model_built_elsewhere(saved) -> None:
             assert torch.equal(got, want)
 
 
-def _copy(folder, tmp_path):
-    out = tmp_path / "model"
-    out.mkdir()
-    for f in folder.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    return out
-
-
 def _shard_of(folder, key):
     return folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][key]
 

@@ -61,14 +61,16 @@ def test_hundreds_of_concurrent_tickets(engine, tmp_path, random_bytes):
     num_requests, nbytes = 300, 20_000  # unaligned size: every request has head/tail pieces
     path = tmp_path / "many.bin"
     data = random_bytes(num_requests * nbytes, seed=7)
-    writes = [engine.submit_write(path, offset=i * nbytes, buffer=data[i * nbytes : (i + 1) * nbytes]) for i in range(num_requests)]
+    writes = [engine.submit_write(path, offset=i * nbytes, buffer=data[i * nbytes : (i + 1) * nbytes])
+              for i in range(num_requests)]
     order = list(range(num_requests))
     random.Random(0).shuffle(order)
     for i in order:
         engine.wait(writes[i])
     assert path.read_bytes() == data.numpy().tobytes()
     back = aligned_empty(num_requests * nbytes)
-    reads = [engine.submit_read(path, offset=i * nbytes, buffer=back[i * nbytes : (i + 1) * nbytes]) for i in range(num_requests)]
+    reads = [engine.submit_read(path, offset=i * nbytes, buffer=back[i * nbytes : (i + 1) * nbytes])
+             for i in range(num_requests)]
     assert engine.num_pending == num_requests
     engine.wait_all()
     assert engine.num_pending == 0 and all(engine.done(t) for t in reads)

@@ -109,6 +109,20 @@ def test_untied_llama_head_owns_lm_head() -> None:
     assert any(p is chain.model.lm_head.weight for p in chain.own_params(chain.num_units - 1))
 
 
+def test_a_gpt2_of_a_presets_shape_has_the_presets_flops() -> None:
+    """The generic count ([Note: FLOPs of a unit]) with the layers' attention gives a Hugging Face GPT-2 the
+    FLOPs plan/gpt.py gives a built-in GPT of its shape; a Llama layer attends with all its query heads."""
+    from luwu_rt.models.presets import GPTShape
+    from luwu_rt.plan.gpt import gpt_units
+
+    chain = build_hf_chain(_gpt2_config())
+    shape = GPTShape(name="gpt2-test", num_layers=2, d_model=32, num_heads=4, vocab_size=VOCAB, max_seq_len=32)
+    assert [chain.flops_per_token(i, seq_len=24) for i in range(chain.num_units)] == [
+        u.flops_per_token for u in gpt_units(shape, seq_len=24)]
+    llama = build_hf_chain(_llama_config())  # 4 query heads of 8, 2 key/value heads
+    assert [llama.attention_width(i) for i in range(llama.num_units)] == [0, 32, 32, 0]
+
+
 def test_eager_attention_is_refused() -> None:
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel._from_config(_gpt2_config(), attn_implementation="eager")

@@ -29,7 +29,8 @@ def train(rank: int, runs: list[tuple[str, dict, str]]) -> dict[str, list[float]
     return out
 
 
-def train_metrics(rank: int, runs: list[tuple[str, dict, str]], given: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+def train_metrics(rank: int, runs: list[tuple[str, dict, str]],
+                  given: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Each run ``(key, overrides, chaos seed or "")`` for ``STEPS`` steps: its losses, grad norms and the
     steps the worker replayed after its node restarted. Runs named in ``given`` pass ``train_step`` the
     batches the engine would draw (a node restart must replay them from what it kept)."""

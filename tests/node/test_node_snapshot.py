@@ -1,6 +1,7 @@
 """Three workers, and node snapshots: a node process killed with SIGKILL mid-run and restarted on the same
 snapshot directory resumes there (that run in the chaos mode, workers and node, with batches given to
-``train_step``), the workers rejoin and replay, and the run ends with the losses of an uninterrupted node run bit for bit; that run's losses and the grad norms the workers report (the node's)
+``train_step``), the workers rejoin and replay, and the run ends with the losses of an uninterrupted node run bit
+for bit; that run's losses and the grad norms the workers report (the node's)
 equal the single-process run's on the global batch within 1e-5 relative. One set of worker processes
 serves both runs: process start-up is most of this test's time."""
 

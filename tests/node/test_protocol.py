@@ -13,8 +13,8 @@ import torch
 
 from luwu_rt._C import crc32c
 from luwu_rt.node.manifest import difference, job_id, manifest_bytes
-from luwu_rt.node.protocol import (DTYPE_CODES, HEADER, MAGIC, MAX_PAYLOAD_BYTES, VERSION, F, Message, ProtocolError,
-                                   T, decode, encode)
+from luwu_rt.node.protocol import (DTYPE_CODES, DTYPES, HEADER, MAGIC, MAX_PAYLOAD_BYTES, VERSION, F, Message,
+                                   ProtocolError, T, decode, encode)
 from luwu_rt.node.service import NodeConfig, NodeService
 
 CHUNK = 4096
@@ -62,6 +62,20 @@ def test_decode_rejects_before_reading_the_payload(frames, reason) -> None:
     with pytest.raises(ProtocolError) as info:
         decode(frames)
     assert info.value.reason == reason
+
+
+def test_wire_numbers_stay_those_older_peers_speak() -> None:
+    """Message types and dtype codes are the wire's numbering: the names may move, the numbers never. Type 7
+    (SNAPSHOT, reserved and never sent) has no name and decodes as an unknown type, its number unused."""
+    assert {name: getattr(T, name) for name in T.NAMES.values()} == {
+        "HELLO": 1, "WELCOME": 2, "PUSH_GRAD": 3, "PARAM": 4, "PULL_PARAM": 5, "HEARTBEAT": 6, "ERROR": 8,
+        "ACK": 9, "INIT": 10, "STATS": 11, "NORM": 12, "BEGIN": 13, "GET_STATE": 14, "STATE": 15}
+    assert not hasattr(T, "SNAPSHOT")
+    with pytest.raises(ProtocolError) as info:
+        decode([_header(type=7, nbytes=0, checksum=0)])
+    assert info.value.reason == "type"
+    assert DTYPES == {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 2), 4: ("json", 1),
+                      5: ("utf8", 1), 6: ("float64", 8)}
 
 
 def _joined(service: NodeService) -> dict:

@@ -104,7 +104,8 @@ def test_optimizer_only_plan_streams_state_once_and_overlaps_reads_with_writes()
     assert plan.count("OptimStep") == 6 and plan.count("Compute") == 0
     cost = estimate(plan, PROFILE)
     state = 6 * 4 * numel
-    assert cost.io_bytes["nvme"] == {"read": 4 * state, "write": 4 * state}  # grad+master+moments in; params+master+moments out
+    # grad+master+moments in; params+master+moments out
+    assert cost.io_bytes["nvme"] == {"read": 4 * state, "write": 4 * state}
     read_s, write_s = 4 * state / 0.5e9, 4 * state / 0.25e9
     optim_s = 6 * numel / PROFILE.host_optim_params_per_s
     assert max(read_s, write_s, optim_s) <= cost.predicted_step_s < read_s + write_s + optim_s

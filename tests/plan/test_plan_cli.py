@@ -73,7 +73,7 @@ def test_bad_arguments_are_one_line_errors(capsys, argv, message):
     assert err.startswith("luwu: error:") and message in err
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp", "node"])
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "local"])
 def test_strategies_plan(capsys, strategy):
     code, out = run_json(capsys, "--model", "gpt-small", "--world-size", "4", "--strategy", strategy,
                          "--device-mem", "4GiB", "--host-mem", "8GiB", "--batch-size", "2", "--seq-len", "256")

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from luwu_rt.models.presets import get_preset
-from luwu_rt.plan import (Budgets, Compute, Load, ModelSpec, OptimStep, Placement, Store, Strategy, UnitSpec,
-                          gpt_model_spec, lower_bounds, plan_step, validate)
+from luwu_rt.plan import (STRATEGIES, Budgets, Compute, Load, ModelSpec, OptimStep, Placement, Store, Strategy,
+                          UnitSpec, gpt_model_spec, lower_bounds, plan_step, validate)
 from luwu_rt.plan.sequence import build_layout
 
 CLEAR_ERROR = re.compile(r"too small|smaller than")
@@ -47,7 +47,7 @@ def models(draw, *, equal_sizes: bool = False, shared: bool = False) -> ModelSpe
 
 @st.composite
 def strategies_(draw) -> Strategy:
-    name = draw(st.sampled_from(["local", "ddp", "zero1", "zero2", "zero3", "hsdp", "node"]))
+    name = draw(st.sampled_from(STRATEGIES))
     world = 1 if name == "local" else draw(st.sampled_from([2, 4, 8]))
     return Strategy(name=name, world_size=world, group_size=2 if name == "hsdp" else 0)
 
@@ -86,7 +86,8 @@ def test_random_inputs_give_a_valid_plan_or_a_clear_error(model, strategy, param
         return data.draw(st.integers(0, 2 * total + bounds["device"]), label=tier)
 
     budgets = Budgets(device_bytes=budget("device"), host_bytes=budget("host"),
-                      nvme_bytes=data.draw(st.one_of(st.none(), st.just(bounds["nvme"]) if near else st.integers(0, 2 * total)),
+                      nvme_bytes=data.draw(st.one_of(st.none(),
+                                                     st.just(bounds["nvme"]) if near else st.integers(0, 2 * total)),
                                            label="nvme"))
     try:
         plan = plan_step(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy)
@@ -292,7 +293,8 @@ def test_plans_do_not_depend_on_hash_seeds():
     code = ("import hashlib; from luwu_rt.plan import *; from luwu_rt.models.presets import get_preset\n"
             "m = gpt_model_spec(get_preset('gpt-tiny'), chunk_bytes=65536, num_micro_batches=2)\n"
             "p = plan_step(m, budgets=Budgets(device_bytes=5 << 20, host_bytes=4 << 20),"
-            " placement=Placement(params='nvme', optimizer='nvme', grads='host'), strategy=Strategy(name='ddp', world_size=2))\n"
+            " placement=Placement(params='nvme', optimizer='nvme', grads='host'),"
+            " strategy=Strategy(name='ddp', world_size=2))\n"
             "print(hashlib.sha256(repr(p.ops).encode()).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
@@ -361,4 +363,5 @@ def test_forward_only_plan_reads_params_and_keeps_the_layout(params) -> None:
     assert evaluation.count("OptimStep") == 0 and evaluation.count("Store") == 0  # nothing is written back
     assert not any(a.shard.state == "grad" for op in evaluation.ops for a in op.inputs + op.outputs)
     # The same homes; each plan's arena is as large as its own copies reach (a store built for both takes the larger).
-    assert dict(evaluation.home_slots) == dict(train.home_slots) and evaluation.arena_bytes.keys() == train.arena_bytes.keys()
+    assert dict(evaluation.home_slots) == dict(train.home_slots)
+    assert evaluation.arena_bytes.keys() == train.arena_bytes.keys()

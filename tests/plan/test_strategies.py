@@ -8,12 +8,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from luwu_rt.models.presets import get_preset
-from luwu_rt.plan import (Budgets, Collective, Compute, Gather, ModelSpec, NormReduce, OptimStep, Placement, Reduce,
-                          Strategy, UnitSpec, Wait, gpt_model_spec, plan_step)
+from luwu_rt.plan import (STRATEGIES, Budgets, Collective, Compute, Gather, ModelSpec, NormReduce, OptimStep, Placement,
+                          Reduce, Strategy, UnitSpec, Wait, gpt_model_spec, plan_step)
 from luwu_rt.plan.analysis import state_bytes
 from luwu_rt.plan.validate import PlanError, validate_ranks
 
 ALIGN = 4096
+SEVERAL_RANKS = [s for s in STRATEGIES if s != "local"]
+"""Every strategy that runs on several ranks (workers, for node)."""
 ROOMY = Budgets(device_bytes=1 << 40, host_bytes=1 << 40)
 ON_DEVICE = Placement(params="device", optimizer="device", grads="device")
 
@@ -53,7 +55,7 @@ def _strategy(name: str, world: int) -> Strategy:
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "hsdp", "node"])
+@pytest.mark.parametrize("name", SEVERAL_RANKS)
 def test_every_rank_plan_validates_and_collectives_have_buffers(name, world) -> None:
     model = gpt_model_spec(get_preset("gpt-tiny"), batch_size=2, seq_len=64, num_micro_batches=2,
                            chunk_bytes=64 << 10)
@@ -103,7 +105,7 @@ def _cases(draw):
     model = ModelSpec(units=units, param_bytes=elem, grad_bytes=elem, chunk_bytes=draw(st.integers(1, 16)) * ALIGN,
                       max_shards_per_state=draw(st.integers(1, 3)), tokens_per_step=6 * micro,
                       num_micro_batches=micro, optimizer_waits_for_backward=draw(st.booleans()))
-    name = draw(st.sampled_from(["ddp", "zero1", "zero2", "zero3", "hsdp", "node"]))
+    name = draw(st.sampled_from(SEVERAL_RANKS))
     world = draw(st.sampled_from([2, 4, 8]))
     tiers = st.sampled_from(["device", "host", "nvme"])
     placement = Placement(params=draw(tiers), optimizer=draw(tiers), grads=draw(tiers))
@@ -155,6 +157,7 @@ def test_an_update_overlaps_the_next_units_collectives_when_clipping_is_off(name
             if clip:
                 assert norm in ancestors[step], f"{name}: the update of unit {k} does not wait for the norm"
             else:
-                assert reduce_prev not in ancestors[step], f"{name}: the update of unit {k} waits for unit {k - 1}'s reduce"
+                assert reduce_prev not in ancestors[step], \
+                    f"{name}: the update of unit {k} waits for unit {k - 1}'s reduce"
                 assert not any(isinstance(ops[d], OptimStep) for d in ancestors[reduce_prev] | {reduce_prev}), \
                     f"{name}: unit {k - 1}'s reduce waits for an optimizer step"
