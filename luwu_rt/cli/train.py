@@ -265,15 +265,22 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
             argv += [f"--config={args.config}"] if args.config else []
             return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
         if world_size > 1:
+            built = []
+
             def train() -> int:
                 engine = _build(args)
+                built.append(engine)
                 code = _train(engine, args)
                 # Not in a finally: after a failed step the queue threads may be stuck in collectives, and
-                # run_rank exits the process without waiting for them.
+                # run_rank exits the process without waiting for them (after ``discard``, below).
                 engine.close()
                 return code
 
-            return run_rank(train, timeout_s=timeout)
+            def discard() -> None:  # a failed rank leaves no NVMe tier behind (its files are the run's size)
+                for engine in built:
+                    engine.store.discard()
+
+            return run_rank(train, timeout_s=timeout, cleanup=discard)
     engine = _build(args)
     if getattr(args, "scratch", None) is not None and engine.store.nvme is None:
         args.scratch.remove()  # the plan keeps nothing on NVMe: no empty directory in the way while it runs

@@ -34,7 +34,11 @@ def serve_loop(*, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps, 
     gate = NodeGate(ctx, router, config.auth_keys, rejects=protocol.rejects, log=log) if config.auth_keys else None
     inbox = ctx.socket(zmq.PULL)
     try:
-        router.bind(config.bind)
+        try:
+            router.bind(config.bind)
+        except zmq.ZMQError as exc:  # in use, or an address this machine has not: one line, not a traceback
+            raise OSError(exc.errno, f"--bind {config.bind}: cannot listen there ({exc.strerror}); choose a free "
+                                     f"port, or a port of * for one the system picks") from None
         address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         bound(address)
         wake = f"inproc://luwu-node-wake-{id(mailbox)}"
