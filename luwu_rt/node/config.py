@@ -10,7 +10,11 @@ from luwu_rt.plan.sizes import parse_size
 from .protocol import MAX_PAYLOAD_BYTES
 from .shards import parse_shard
 
-__all__ = ["NodeConfig", "check_address", "is_loopback"]
+__all__ = ["SPARE_CONNECTIONS", "NodeConfig", "check_address", "is_loopback"]
+
+SPARE_CONNECTIONS = 4
+"""Connections a node takes beyond its workers' and node shards': a worker that reconnects before the node
+saw its old connection end ([Note: the connection cap] in auth.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +47,11 @@ class NodeConfig:
     """``i/k``: this process is node shard i of k, owning 1/k of every unit ([Note: node shards] in shards.py)."""
     shard_index: int = field(init=False, default=0)
     num_shards: int = field(init=False, default=1)
+
+    @property
+    def max_connections(self) -> int:
+        """Connections the node takes at once ([Note: the connection cap] in auth.py)."""
+        return self.num_workers + self.num_shards - 1 + SPARE_CONNECTIONS
 
     def __post_init__(self) -> None:
         self.shard_index, self.num_shards = parse_shard(self.shard)

@@ -86,7 +86,8 @@ class NodeWorker:
         self.optim, self.total_steps, self.dtype, self.loss_scale = optim, total_steps, dtype, loss_scale
         self.param_dtype = param_dtype
         self.rank, self.num_workers, self.all_reduce = rank, num_workers, all_reduce
-        self.timeout_s, self.node_key = timeout_s, node_key
+        # ``{rank}`` in --node-key: each worker its own key (luwu node keygen --workers N, [Note: node keys]).
+        self.timeout_s, self.node_key = timeout_s, node_key.replace("{rank}", str(rank)) if node_key else None
         self.dtypes = state_dtypes(param_dtype=param_dtype, grad_dtype=torch.float32)
         self.optimizer = OptimizerStep(plan.shards, optim=optim, total_steps=total_steps, loss_scale=loss_scale,
                                        param_dtype=param_dtype, grad_dtype=torch.float32)
