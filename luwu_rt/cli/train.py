@@ -98,6 +98,8 @@ def _build(args: argparse.Namespace):
         saved = upgrade_keys(TrainConfig, reader.settings)  # a checkpoint from before a rename keeps its old keys
         check_steps(start, step=reader.step, steps=from_mapping(TrainConfig, merge(saved, settings)).steps)
         _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
+        if reader.lacks:  # an older format ([Note: older formats] in ckpt/format.py)
+            _say(f"{start} is a {reader.format} checkpoint: it lacks {'; '.join(reader.lacks)}")
         return Engine.load(start, overrides=settings)
 
 
