@@ -20,7 +20,7 @@ import zmq
 from luwu_rt.node.auth import client_keys, keygen
 from luwu_rt.node.client import NodeClient, NodeError
 from luwu_rt.node.manifest import MAX_UNITS, manifest_bytes
-from luwu_rt.node.protocol import CREDIT_CHUNKS, DTYPE_CODES, HEADER, MAGIC, VERSION, F, Message, T, decode, encode
+from luwu_rt.node.protocol import CREDIT_CHUNKS, DTYPE_CODES, F, Message, T, decode, encode
 from luwu_rt.node.service import NodeConfig, NodeService
 
 from test_protocol import CHUNK, SIZES, manifest
