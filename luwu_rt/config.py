@@ -159,6 +159,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # a binary file: tomllib's own message names no file
+        raise ValueError(f"config file {path} is not valid TOML: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot read config file ({exc.strerror})", str(path)) from None
 
 
 def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

@@ -30,12 +30,17 @@ ranks ``LUWU_TEST_SIGNAL_RANK=<r>`` limits it to rank ``r``.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 
-__all__ = ["Interrupted", "StopRequest", "pending", "test_hook", "wrap_handlers"]
+__all__ = ["LAUNCHER_ENV", "Interrupted", "StopRequest", "die_with_launcher", "pending", "test_hook", "wrap_handlers"]
 
+LAUNCHER_ENV = "LUWU_LAUNCHER_PID"
+"""Set by a launcher in the environment of the processes it starts (ranks, a spawned optimizer node): its pid."""
+_PR_SET_PDEATHSIG = 1
 _fired = threading.Event()
 _active: "StopRequest | None" = None
 """The installed handlers of this process, if any."""
@@ -152,3 +157,18 @@ def wrap_handlers(engine) -> None:
     hooked("Compute", lambda op: "forward" if op.name.startswith("F") else "backward")
     hooked("OptimStep", lambda op: "optimizer")
     engine.executor.handlers = handlers
+
+
+def die_with_launcher() -> None:
+    """Has the kernel SIGKILL this process when the launcher that started it (``LAUNCHER_ENV``) dies, however
+    it dies: a launcher killed by SIGKILL leaves no rank or spawned node behind ([Note: no process left
+    behind] in dist/launch.py). Nothing without ``LAUNCHER_ENV`` or off Linux."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # it died before the request took effect
+        os._exit(1)

@@ -31,7 +31,15 @@ entry the size of its file: an edited, truncated or hand-merged manifest is
 refused with its path before anything is read. ``meta.run_id`` names the run
 that wrote a checkpoint, so retention deletes only that run's checkpoints and a
 new run does not mistake a directory of another run's checkpoints for its own.
-Format 1 manifests (no checksum, no run id) are still read.
+
+[Note: older formats]
+Format 1 manifests (no checksum, no run id, no file sizes) are still read, but
+only as format 1 wrote them: without a field format 1 did not have (the
+manifest's ``checksum``, ``meta.run_id``, ``meta.kind``, an entry's ``bytes``
+or any other key). Otherwise changing ``format`` to format 1 and deleting the
+checksum would let any edit of a newer manifest pass. ``CheckpointReader.lacks``
+names the protections an older checkpoint goes without, and ``luwu ckpt
+verify`` and a resume say them.
 
 [Note: kinds of checkpoints]
 The optimizer node's snapshots ([Note: node snapshots] in node/snapshot.py) are
@@ -64,8 +72,16 @@ __all__ = ["NODE_SNAPSHOT", "TRAINING", "CheckpointReader", "CheckpointWriter", 
 
 MANIFEST = "manifest.json"
 FORMAT = "luwu_rt.checkpoint/2"
-_FORMATS = ("luwu_rt.checkpoint/1", FORMAT)
+_FORMAT_1 = "luwu_rt.checkpoint/1"
+_FORMATS = (_FORMAT_1, FORMAT)
 _ENTRY_KEYS = {"file": str, "dtype": str, "shape": list, "crc32c": int}
+_FORMAT_1_KEYS = {"format", "step", "meta", "tensors"}
+"""[Note: older formats]: what a format 1 manifest holds; its entries hold ``_ENTRY_KEYS``."""
+_SINCE_FORMAT_2 = ("run_id", "kind")
+"""``meta`` keys format 2 added ([Note: older formats])."""
+_FORMAT_1_LACKS = ("a checksum of the manifest itself (an edit of it goes unnoticed)",
+                   "a run id (retention and --resume cannot tell its run's checkpoints from another's)",
+                   "the size of each file")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 TRAINING = "training"
@@ -256,8 +272,12 @@ class CheckpointReader:
         if manifest["format"] == FORMAT and manifest.get("checksum") != _manifest_crc(manifest):
             raise ValueError(f"{path}: the manifest does not match its checksum (edited or corrupt); "
                              f"resume from an older checkpoint")
+        if manifest["format"] == _FORMAT_1:
+            _check_format_1(manifest, path)
         _check_manifest(manifest, path)
         self.format: str = manifest["format"]
+        self.lacks: tuple[str, ...] = _FORMAT_1_LACKS if self.format == _FORMAT_1 else ()
+        """The protections this checkpoint goes without, being of an older format ([Note: older formats])."""
         self.step: int = manifest["step"]
         self.meta: dict[str, Any] = manifest["meta"]
         self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
@@ -320,6 +340,23 @@ class CheckpointReader:
             raise ValueError(f"checkpoint {self.directory}: {name} holds {flat.numel()} values, "
                              f"the model needs {numel}")
         return flat[:numel]
+
+
+def _check_format_1(manifest: dict[str, Any], path: Path) -> None:
+    """Raises ``ValueError`` naming ``path`` when a manifest that says format 1 holds what format 1 did not
+    have ([Note: older formats])."""
+    meta, tensors = manifest.get("meta"), manifest.get("tensors")
+    newer = sorted(set(manifest) - _FORMAT_1_KEYS)
+    if isinstance(meta, dict):
+        newer += [f"meta.{key}" for key in _SINCE_FORMAT_2 if key in meta]
+    if isinstance(tensors, dict):
+        keys = {key for entry in tensors.values() if isinstance(entry, dict) for key in entry}
+        extra = sorted(keys - set(_ENTRY_KEYS))
+        newer += [f"an entry's {key}" for key in extra]
+    if newer:
+        raise ValueError(f"{path}: says {_FORMAT_1} but holds {', '.join(newer[:4])}, which that format did not have: "
+                         f"the manifest was edited (its format lowered to drop its checksum); resume from an older "
+                         f"checkpoint")
 
 
 def _check_manifest(manifest: dict[str, Any], path: Path) -> None:

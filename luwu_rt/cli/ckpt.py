@@ -66,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
                   f"complete, all checksums match")
             return 0
         # Complete, consistent with its model, and every checksum (raises naming the path on a mismatch).
-        count = verify_checkpoint(CheckpointReader(path), read_data=True)
-        print(f"{path}: {count} files, complete, all checksums match")
+        reader = CheckpointReader(path)
+        count = verify_checkpoint(reader, read_data=True)
+        lacks = f"; being {reader.format}, it lacks {'; '.join(reader.lacks)}" if reader.lacks else ""
+        print(f"{path}: {count} files, complete, all checksums match{lacks}")
         return 0
     if not args.out:
         raise ValueError("export needs --out FILE (e.g. model.safetensors), or --format hf --out DIR")

@@ -28,6 +28,7 @@ import errno
 import mmap
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -98,31 +99,66 @@ def created_dir(path: str | os.PathLike, *, flag: str) -> Iterator[Path]:
             shutil.rmtree(made, ignore_errors=True)
 
 
-class Scratch:
-    """A scratch directory this process made; ``remove`` is idempotent."""
+_REAPER = "import shutil, sys\nsys.stdin.buffer.read()\nshutil.rmtree(sys.argv[1], ignore_errors=True)\n"
+"""[Note: a scratch directory outlives no process]: waits for the end of its stdin, then removes the directory."""
 
-    def __init__(self, path: str) -> None:
+
+class Scratch:
+    """A scratch directory this process made; ``remove`` is idempotent.
+
+    [Note: a scratch directory outlives no process]
+    A process killed by SIGKILL runs no ``finally``: its scratch directory (the NVMe tier, the size of the
+    model's optimizer state) would stay. So a small reaper process is started beside it, reading a pipe
+    whose only writer is this process: the kernel closes the pipe when this process ends, however it ends,
+    and the reaper then removes the directory. The reaper is in a session of its own, so the terminal's
+    Ctrl-C does not end it first."""
+
+    def __init__(self, path: str, *, reaper: bool = False) -> None:
         self.path = path
         self.removed = False
+        self._pipe: int | None = None
+        self._reaper: subprocess.Popen | None = None
+        if reaper:
+            read, self._pipe = os.pipe()  # not inherited by the processes this one starts (ranks, nodes)
+            try:
+                self._reaper = subprocess.Popen([sys.executable, "-S", "-c", _REAPER, os.path.abspath(path)],
+                                                stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                start_new_session=True)
+            finally:
+                os.close(read)
 
     def remove(self) -> None:
         if not self.removed:
             shutil.rmtree(self.path, ignore_errors=True)
             self.removed = True
+        self.release()
+
+    def release(self) -> None:
+        """Ends the reaper (it removes what is left of the directory, if anything)."""
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+        if self._reaper is not None:
+            try:
+                self._reaper.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            self._reaper = None
 
 
 @contextlib.contextmanager
 def scratch_dir(*, flag: str, keep: bool = False) -> Iterator[Scratch]:
     """A fresh ``./luwu-scratch-*`` directory in the current directory, removed when the block ends
-    (also on an error or a KeyboardInterrupt) unless ``keep``. Under the current directory because
-    that is where a user looks for what a command left, and the system's temporary directory is
-    often a tmpfs, which is memory, not a disk ([Note: missing directories])."""
+    (also on an error or a KeyboardInterrupt, and when this process is killed: [Note: a scratch directory
+    outlives no process]) unless ``keep``. Under the current directory because that is where a user looks
+    for what a command left, and the system's temporary directory is often a tmpfs, which is memory, not a
+    disk ([Note: missing directories])."""
     try:
         path = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=os.curdir)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot make the NVMe scratch directory here ({exc.strerror}); run from a "
                                  f"writable directory or pass {flag} DIR", os.getcwd()) from None
-    scratch = Scratch(path)
+    scratch = Scratch(path, reaper=not keep)
     try:
         yield scratch
     finally:

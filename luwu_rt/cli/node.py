@@ -69,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     import threading
     from pathlib import Path
 
+    from luwu_rt.interrupt import die_with_launcher
     from luwu_rt.node.service import NodeConfig, NodeService
 
+    die_with_launcher()  # a node that luwu train --spawn-node started ends with it, even after a SIGKILL
     config = NodeConfig(bind=args.bind, num_workers=args.num_workers, host_mem=args.host_mem,
                         nvme_dir=args.nvme_dir, timeout=args.timeout, auth_keys=args.auth_keys,
                         snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every, shard=args.shard)

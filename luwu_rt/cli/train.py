@@ -110,6 +110,8 @@ def _build(args: argparse.Namespace):
         _say(f"resuming from {start} (step {reader.step} of run {reader.run_id or '(no run id)'})")
         saved_end = resumed_settings(reader.settings, {})["optim"]["schedule_steps"]
         _say(resume_line(resumed.optim, step=reader.step, steps=resumed.steps, saved_end=saved_end))
+        if reader.lacks:  # an older format ([Note: older formats] in ckpt/format.py)
+            _say(f"{start} is a {reader.format} checkpoint: it lacks {'; '.join(reader.lacks)}")
         return Engine.load(start, overrides=settings)
 
 
@@ -292,17 +294,24 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
             argv += [f"--config={args.config}"] if args.config else []
             return launch([sys.executable, "-m", "luwu_rt", "train", *argv], args.nproc, timeout_s=timeout)
         if world_size > 1:
+            built = []
+
             def train() -> int:
                 engine = _built(args)
                 if engine is None:
                     return 0
+                built.append(engine)
                 code = _train(engine, args)
                 # Not in a finally: after a failed step the queue threads may be stuck in collectives, and
-                # run_rank exits the process without waiting for them.
+                # run_rank exits the process without waiting for them (after ``discard``, below).
                 engine.close()
                 return code
 
-            return run_rank(train, timeout_s=timeout)
+            def discard() -> None:  # a failed rank leaves no NVMe tier behind (its files are the run's size)
+                for engine in built:
+                    engine.store.discard()
+
+            return run_rank(train, timeout_s=timeout, cleanup=discard)
     engine = _built(args)
     if engine is None:
         return 0

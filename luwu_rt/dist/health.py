@@ -183,7 +183,7 @@ def _first_line(exc: BaseException, limit: int = 160) -> str:
     """``Type: first line of the message``, without the C++ source location gloo and c10d put first."""
     lines = str(exc).strip().splitlines()
     text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0] if lines else "")
-    if len(text) > limit:
+    if len(text) > limit and not isinstance(exc, (ValueError, OSError)):  # ours: one line whose end says the fix
         end = text.find(". ")
         text = text[:end + 1] if 0 < end < limit else text[:limit - 3] + "..."
     return f"{type(exc).__name__}: {text}".rstrip(": ")

@@ -22,12 +22,12 @@ the GIL held): that one would never exit by itself.
 Every rank runs in a session of its own (so the terminal's Ctrl-C reaches only
 the launcher, which forwards it) and is ended by its process group, with
 whatever it started. A rank also asks the kernel to SIGKILL it when the
-launcher dies (``PR_SET_PDEATHSIG``), which covers a launcher killed by SIGKILL.
+launcher dies (``die_with_launcher`` in interrupt.py), which covers a launcher killed by SIGKILL; so does
+the optimizer node that ``--spawn-node`` starts.
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import signal
@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from luwu_rt.dist import health
+from luwu_rt.interrupt import LAUNCHER_ENV, die_with_launcher
 
 __all__ = ["core_slice", "launch", "pin_cores", "rank_env", "run_rank"]
 
@@ -46,7 +47,6 @@ _INTERRUPT_GRACE_S = 10.0  # after forwarding Ctrl-C, how long the ranks get to 
 _TERM_GRACE_S = 3.0  # between SIGTERM and SIGKILL
 _HUNG_PERIODS = 5  # heartbeat periods after which the launcher takes a surviving rank for hung
 _POLL_S = 0.1
-_PR_SET_PDEATHSIG = 1
 
 
 def core_slice(cores: Sequence[int], local_rank: int, local_size: int) -> list[int]:
@@ -92,7 +92,7 @@ def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None 
     env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-               LUWU_LAUNCHER_PID=str(os.getpid()))
+               **{LAUNCHER_ENV: str(os.getpid())})
     return env
 
 
@@ -169,7 +169,9 @@ def launch(command: Sequence[str], nproc: int, *, timeout_s: float, env: dict[st
                           timeout=datetime.timedelta(seconds=timeout_s))
     procs: list[subprocess.Popen] = []
     main_thread = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, _raise_interrupted) if main_thread else None
+    # Both installed here, not left to Python: a launcher started from a script in the background inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt for it (kill -INT would do nothing).
+    old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     interrupted = False
     first: tuple[int, int] | None = None  # (rank, exit code) of the first rank that failed
     try:
@@ -213,8 +215,8 @@ def launch(command: Sequence[str], nproc: int, *, timeout_s: float, env: dict[st
             pass  # a second Ctrl-C: kill them now
     finally:
         _end(procs)
-        if main_thread:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     if interrupted:
         return 130
     if first is None:
@@ -238,29 +240,17 @@ def _announce(store, rank: int, code: int) -> None:
     print(f"luwu: rank {rank} {how}", file=sys.stderr, flush=True)
 
 
-def _die_with_launcher() -> None:
-    """Has the kernel SIGKILL this rank when the launcher that started it dies ([Note: no process left
-    behind])."""
-    launcher = os.environ.get("LUWU_LAUNCHER_PID")
-    if not launcher or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(launcher):  # it died before the request took effect
-        os._exit(1)
-
-
-def run_rank(train: Callable[[], int], *, timeout_s: float) -> int:
+def run_rank(train: Callable[[], int], *, timeout_s: float, cleanup: Callable[[], None] = lambda: None) -> int:
     """Runs ``train`` as one rank of a multi-rank run: joins the process group (``timeout_s`` for every
     collective), starts the heartbeat, and ends the process with what ``train`` returns. When it raises (anything but
-    KeyboardInterrupt), prints ``luwu: rank R: <why>`` naming the rank that failed or stopped, and ends
-    the process at once with code 1: queue threads may be stuck in collectives, and a normal interpreter
-    exit would wait for them."""
+    KeyboardInterrupt), prints ``luwu: rank R: <why>`` naming the rank that failed or stopped, runs ``cleanup``
+    and ends the process at once, with code 2 for an error the user can fix (``ValueError``/``OSError``, as
+    ``luwu`` exits), else 1: queue threads may be stuck in collectives, and a normal interpreter exit would
+    wait for them. ``cleanup`` removes what the rank made (its NVMe tier's files) without waiting for
+    anything: the process ends at once after it."""
     from luwu_rt.dist.world import init_from_env
 
-    _die_with_launcher()
+    die_with_launcher()
     rank = os.environ.get("RANK", "?")
     try:
         world = init_from_env(timeout_s=timeout_s)
@@ -268,16 +258,20 @@ def run_rank(train: Callable[[], int], *, timeout_s: float) -> int:
         health.start(world.rank, world.size)
         code = train()
     except KeyboardInterrupt:
+        cleanup()
         raise
     except Exception as exc:
-        if not (isinstance(exc, (ValueError, OSError)) or health.is_communication_error(exc)):
+        communication = health.is_communication_error(exc)
+        user = isinstance(exc, (ValueError, OSError)) and not communication
+        if not (user or communication):
             traceback.print_exc()  # a bug: keep its traceback, as luwu's main() would
         line = health.explain(exc)
         health.report_failure(exc, line)
         print(f"luwu: rank {rank}: {line}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        cleanup()
+        os._exit(2 if user else 1)  # as luwu's main() exits: 2 for what the user can fix
     health.stop()
     # The rank's work is done and saved (the engine closed, its outputs written): end the process here.
     # In the interpreter's exit, native threads (gloo's) were now and then destroyed still joinable, and

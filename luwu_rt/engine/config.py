@@ -240,8 +240,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            if not isinstance(getattr(self, name), int) or not 0 < getattr(self, name) < 2**31:  # tensor sizes
+                raise ValueError(f"{name} must be a positive integer below 2**31, got {getattr(self, name)!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         if not self.loss_scale > 0:
@@ -257,7 +257,7 @@ class TrainConfig:
             raise ValueError("strategy node needs --node tcp://HOST:PORT (a running `luwu node serve`), or "
                              "--spawn-node to start one (a node run's checkpoint resumes with either, or without a "
                              "node with --strategy auto)")
-        if self.node_key and not os.path.isfile(self.node_key):
+        if self.node_key and not os.path.isfile(self.node_key.replace("{rank}", "0")):  # {rank}: one key a worker
             raise ValueError(f"--node-key {self.node_key}: no such file; make keys with `luwu node keygen DIR`")
         if self.node and self.strategy != "node":
             raise ValueError(f"--node {self.node} applies to --strategy node, not {self.strategy}")

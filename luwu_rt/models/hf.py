@@ -156,6 +156,22 @@ def load_pretrained_chain(path: str | Path) -> HFCausalLMChain:
         raise FileNotFoundError(f"{folder}: no config.json; hf:PATH takes a local model folder as save_pretrained "
                                 "writes it (nothing is downloaded)")
     transformers = _require_transformers()
-    chain = build_hf_chain(transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    where = folder / "config.json"
+    for key, value in config.to_dict().items():
+        not_positive = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        if key in _SIZES and value is not None and not_positive:
+            raise ValueError(f"{where}: {key} is {value!r}; a model's sizes are positive integers")
+    try:
+        chain = build_hf_chain(config)
+    except (RuntimeError, TypeError, ZeroDivisionError) as exc:  # shapes that do not fit together (torch says)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{where}: transformers cannot build the model it describes ({text})") from None
     chain.source = folder
     return chain
+
+
+_SIZES = frozenset({"vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "n_ctx", "hidden_size",
+                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                    "max_position_embeddings", "head_dim"})
+"""Keys of a Hugging Face config that are sizes or counts: a negative one fails deep inside torch otherwise."""

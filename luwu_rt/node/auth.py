@@ -1,15 +1,19 @@
 """CURVE authentication of node traffic: keys made by ``luwu node keygen``, an allow-list of client keys.
 
 [Note: node keys]
-``luwu node keygen DIR`` writes, with pyzmq's ``zmq.auth`` certificate files:
+``luwu node keygen DIR`` writes certificate files as pyzmq's ``zmq.auth`` reads them:
   DIR/node.key, DIR/node.key_secret      the node's key pair
   DIR/clients/<name>.key                 the allow-list: public keys of clients the node accepts
   DIR/<name>.key_secret                  that client's key pair, given to workers with ``--node-key``
+Secret keys are created mode 0600. With ``--workers N`` it makes one client key pair per worker
+(``worker0`` ... ``worker<N-1>``), and ``--node-key DIR/worker{rank}.key_secret`` gives each rank its own.
 A worker's ``--node-key FILE`` names its ``.key_secret``; the node's public key is read from
 ``node.key`` in the same directory (copy both to the workers' machines). The node started with
 ``--auth-keys DIR`` runs a ZAP authenticator that admits only the keys in ``DIR/clients``: a client
 with any other key never completes the handshake, so none of its messages reaches the node; the
-failed handshakes are counted (``rejects["auth"]``). Every frame is then encrypted and authenticated.
+failed handshakes are counted (``rejects["auth"]``). Every frame is then encrypted and authenticated,
+and carries the name of its connection's key (the ZAP user id): the node logs which key each rank
+joined with, and which key a refused HELLO came with ([Note: who may join] in machine.py).
 
 [Note: refused handshakes]
 A refused handshake is said on both sides when it happens, not found out later.
@@ -21,6 +25,18 @@ and fails its wait at once with one line saying what to fix - the node
 requires CURVE keys, does not allow this key, does not use CURVE, or is not
 the node whose ``node.key`` the worker has - instead of waiting out
 ``--timeout`` in silence.
+
+[Note: the connection cap]
+Whatever a peer sends, ZeroMQ first receives it whole into the node's memory:
+a connection costs up to its messages in flight (``RECEIVE_MESSAGES`` in
+loop.py, and the one being received) times the largest frame the node takes.
+So the node takes ``NodeConfig.max_connections`` connections at once - its
+workers, its other node shards and ``SPARE_CONNECTIONS`` for reconnects - and
+its ZAP handler refuses the handshake of any beyond them (status 300, which
+the worker's client names), before a single message of it is received; with
+CURVE also any key not in the allow-list. A hostile local peer that holds the
+spare connections can keep a worker out, which the node's log then says; it
+cannot make the node's socket memory grow past that bound.
 """
 
 from __future__ import annotations
@@ -32,29 +48,53 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["NodeGate", "client_keys", "handshake_problem", "keygen", "server_keys"]
+__all__ = ["NodeGate", "Throttled", "client_keys", "handshake_problem", "keygen", "server_keys"]
 
 NODE = "node"
 
 
-def keygen(directory: str | os.PathLike, *, client: str = "worker") -> list[Path]:
-    """Creates the node's key pair (unless it exists) and a client key pair ``client``, its public key
-    in the allow-list; returns the files written."""
-    import zmq.auth
+def keygen(directory: str | os.PathLike, *, client: str = "worker", workers: int | None = None) -> list[Path]:
+    """Creates the node's key pair (unless it exists) and client key pairs, their public keys in the
+    allow-list: one named ``client``, or with ``workers`` N one per worker, ``client0`` ... ``client<N-1>``
+    ([Note: node keys]). Returns the files written. Secret keys are created readable by their owner only,
+    from the first byte on (never chmod'ed afterwards: a window where they were not)."""
+    import zmq
 
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"--workers {workers!r}: give the number of workers, >= 1")
+    names = [client] if workers is None else [f"{client}{i}" for i in range(workers)]
     root = Path(directory)
+    taken = [str(root / f"{name}.key_secret") for name in names if (root / f"{name}.key_secret").exists()]
+    if taken:
+        raise ValueError(f"{taken[0]} exists already: choose another --client name")
     (root / "clients").mkdir(parents=True, exist_ok=True)
     written = []
     if not (root / f"{NODE}.key_secret").exists():
-        written += [Path(p) for p in zmq.auth.create_certificates(root, NODE)]
-    if (root / f"{client}.key_secret").exists():
-        raise ValueError(f"{root / (client + '.key_secret')} exists already: choose another --client name")
-    public, secret = (Path(p) for p in zmq.auth.create_certificates(root, client))
-    allowed = root / "clients" / public.name
-    public.replace(allowed)
-    os.chmod(secret, 0o600)
-    os.chmod(root / f"{NODE}.key_secret", 0o600)
-    return written + [allowed, secret]
+        public, secret = zmq.curve_keypair()
+        written += [_certificate(root / f"{NODE}.key", public),
+                    _certificate(root / f"{NODE}.key_secret", public, secret)]
+    for name in names:
+        public, secret = zmq.curve_keypair()
+        written += [_certificate(root / "clients" / f"{name}.key", public),
+                    _certificate(root / f"{name}.key_secret", public, secret)]
+    return written
+
+
+def _certificate(path: Path, public: bytes, secret: bytes | None = None) -> Path:
+    """A certificate file as ``zmq.auth.load_certificate`` reads it, created new (never over another), mode
+    0600 when it holds a secret key."""
+    kind = "Secret" if secret else "Public"
+    text = (f"#   ****  Generated by luwu node keygen  ****\n#   ZeroMQ CURVE **{kind}** Certificate\n"
+            + ("#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n" if secret else "")
+            + f'\nmetadata\ncurve\n    public-key = "{public.decode()}"\n'
+            + (f'    secret-key = "{secret.decode()}"\n' if secret else ""))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o644)
+    except FileExistsError:
+        raise ValueError(f"{path} exists already: choose another --client name, or another DIR") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def server_keys(directory: str | os.PathLike) -> tuple[bytes, bytes, Path]:
@@ -86,51 +126,111 @@ def client_keys(path: str | os.PathLike) -> tuple[bytes, bytes, bytes]:
 
 
 class NodeGate:
-    """The node's side of CURVE: CURVE on its ROUTER, a ZAP authenticator admitting the allow-list (and the
-    node's own key: other node shards connect with it, [Note: node shards] in shards.py), and a monitor of
-    the ROUTER's handshakes; each refusal counted and logged when it happens ([Note: refused handshakes])."""
+    """The node's side of every handshake: a ZAP handler on a thread of its own that admits a connection only
+    within the node's connection cap and, with CURVE, only a key of the allow-list (and the node's own: other
+    node shards connect with it, [Note: node shards] in shards.py); each refusal counted and logged when it
+    happens ([Note: refused handshakes], [Note: the connection cap])."""
 
-    def __init__(self, ctx, router, auth_keys: str, *, rejects: Counter, log: Callable[[str], None]) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
+    def __init__(self, ctx, router, auth_keys: str | None, *, max_connections: int, rejects: Counter,
+                 log: Callable[[str], None]) -> None:
+        """Before ``router`` binds: the gate must see every connection from the first."""
+        import zmq
 
-        public, secret, clients = server_keys(auth_keys)
-        self.rejects = rejects
-        self.log = _Throttled(log)
-        self.authenticator = ThreadAuthenticator(ctx)
-        self.authenticator.start()
-        self.authenticator.configure_curve_callback(domain="*", credentials_provider=_Allowed(clients, public,
-                                                                                            self.log))
-        router.curve_server = True
-        router.curve_publickey, router.curve_secretkey = public, secret
+        self.rejects, self.log, self.max_connections = rejects, Throttled(log), max_connections
+        self.allowed: _Allowed | None = None
+        if auth_keys:
+            public, secret, clients = server_keys(auth_keys)
+            self.allowed = _Allowed(clients, public, self.log)
+            router.curve_server = True
+            router.curve_publickey, router.curve_secretkey = public, secret
+        else:
+            router.zap_domain = b"luwu"  # without CURVE, ZeroMQ asks ZAP only for a socket with a domain
         self._router = router
-        self._failed = _failed_events()
-        self.monitor = router.get_monitor_socket(self._failed)
-        """A socket the loop polls beside its ROUTER; ``on_monitor`` when it is readable."""
+        self._live: set[int] = set()
+        """File descriptors of the ROUTER's connections: accepted, not yet disconnected."""
+        self._zap = ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind("inproc://zeromq.zap.01")  # the ZAP endpoint of this context (RFC 27)
+        self._monitor = router.get_monitor_socket(_failed_events() | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._stop = threading.Event()
+        # Both sockets belong to this thread from here on: ZeroMQ sockets are not thread-safe.
+        self._thread = threading.Thread(target=self._run, name="luwu-node-gate", daemon=True)
+        self._thread.start()
 
-    def on_monitor(self) -> None:
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._zap, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            self._events()
+            if self._zap in events:
+                self._request(self._zap.recv_multipart())
+
+    def _events(self) -> None:
+        """The ROUTER's connection events since the last call: the live connections, the failed handshakes."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            if not event["event"] & self._failed:
-                continue
-            self.rejects["auth"] += 1
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                continue  # the authenticator logged it, with the key
-            if event["value"] == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", -1):
-                self.log("refused a client without CURVE keys (a worker without --node-key?)")
-            else:  # the client may have hung up first, having seen the mismatch itself: no detail then
-                detail = (f"ZMTP error {event['value']:#x}" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                          else f"errno {event['value']}")
-                self.log(f"refused a client whose handshake failed ({detail}): a worker without --node-key, or "
-                         f"with another node's node.key?")
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._live.add(value)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._live.discard(value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.rejects["connections" if value == _BUSY else "auth"] += 1  # the ZAP handler logged it
+            elif kind & _failed_events():
+                self.rejects["auth"] += 1
+                if value == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", -1):
+                    self.log("refused a client without CURVE keys (a worker without --node-key?)" if self.allowed
+                             else "refused a client with CURVE keys: this node runs without --auth-keys")
+                else:  # the client may have hung up first, having seen the mismatch itself: no detail then
+                    detail = (f"ZMTP error {value:#x}" if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                              else f"errno {value}")
+                    self.log(f"refused a client whose handshake failed ({detail}): a worker without --node-key, or "
+                             f"with another node's node.key?")
+
+    def _request(self, frames: list[bytes]) -> None:
+        """One ZAP request (RFC 27): ``[version, id, domain, address, identity, mechanism, credentials...]``."""
+        if len(frames) < 6:
+            return
+        request_id, address = frames[1], frames[3].decode(errors="replace")
+        mechanism, credentials = frames[5], frames[6:]
+        self._events()  # the connection asking was accepted before its handshake: counted now
+        status, user = b"400", b""
+        if len(self._live) > self.max_connections:
+            status = _BUSY_TEXT
+            self.log(f"refused a connection from {address}: this node takes {self.max_connections} connections at "
+                     f"once ([Note: the connection cap]); is a process that is no worker of this run connected?")
+        elif self.allowed is None:
+            status = b"200" if mechanism == b"NULL" else b"400"
+        elif mechanism == b"CURVE" and len(credentials) == 1 and self.allowed.callback("*", _z85(credentials[0])):
+            status, user = b"200", self.allowed.name(credentials[0]).encode()
+        self._zap.send_multipart([b"1.0", request_id, status, b"OK" if status == b"200" else b"refused", user, b""])
 
     def close(self) -> None:
-        self._router.disable_monitor()
-        self.monitor.close(0)
-        self.authenticator.stop()
+        self._stop.set()
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._router.disable_monitor()
+            self._monitor.close(0)
+            self._zap.close(0)
         self.log.flush()
+
+
+_BUSY = 300
+"""The ZAP status of a connection over the cap (RFC 27: a temporary error); the client's handshake event carries it."""
+_BUSY_TEXT = str(_BUSY).encode()
+
+
+def _z85(key: bytes) -> bytes:
+    from zmq.utils import z85
+
+    return z85.encode(key)
 
 
 def _failed_events() -> int:
@@ -140,30 +240,39 @@ def _failed_events() -> int:
 
 
 class _Allowed:
-    """ZAP credentials: the public keys in the allow-list directory, read at start, and the node's own."""
+    """ZAP credentials: the public keys in the allow-list directory, read at start, and the node's own; each
+    named by its file (``clients/<name>.key``), the node's ``node``."""
 
     def __init__(self, clients: Path, node_public: bytes, log: Callable[[str], None]) -> None:
         import zmq.auth
 
         self.clients, self.log = clients, log
-        self.keys = set(zmq.auth.load_certificates(str(clients))) | {node_public}
+        self.names = {zmq.auth.load_certificate(path)[0]: path.stem for path in sorted(clients.glob("*.key"))}
+        self.names[node_public] = NODE
+        self.keys = set(self.names)
+
+    def name(self, key: bytes) -> str:
+        """The name of the raw (32-byte) public key ``key``, or its Z85 text when it has none."""
+        text = _z85(key)
+        return self.names.get(text, text.decode())
 
     def callback(self, domain: str, key: bytes) -> bool:
+        """Whether the Z85 public key ``key`` may connect; logs a refusal with the key."""
         if key in self.keys:
             return True
         self.log(f"refused a client key {key.decode(errors='replace')}: it is not in {self.clients}")
         return False
 
 
-class _Throttled:
+class Throttled:
     """A log for refusals a peer can repeat at will: every one while they are few (30 a minute), then
     how many more there were ([Note: refused handshakes])."""
 
     LINES = 30
     WINDOW_S = 60.0
 
-    def __init__(self, log: Callable[[str], None]) -> None:
-        self.inner = log
+    def __init__(self, log: Callable[[str], None], *, what: str = "handshakes") -> None:
+        self.inner, self.what = log, what
         self._lock = threading.Lock()
         self._start, self._count, self._more = time.monotonic(), 0, 0
 
@@ -183,7 +292,7 @@ class _Throttled:
 
     def _flush(self) -> None:
         if self._more:
-            self.inner(f"refused {self._more} more handshakes (not logged one by one) in the last "
+            self.inner(f"refused {self._more} more {self.what} (not logged one by one) in the last "
                        f"{time.monotonic() - self._start:.0f}s")
         self._start, self._count, self._more = time.monotonic(), 0, 0
 
@@ -194,6 +303,9 @@ def handshake_problem(event: int, value: int, *, address: str, key: str | None, 
     (``public`` its public key), None without CURVE ([Note: refused handshakes])."""
     import zmq
 
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == _BUSY:
+        return (f"the optimizer node at {address} refused the connection: it holds all the connections it takes "
+                f"(its workers, node shards and a few spare); is another process connected to it? See its log")
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (f"the optimizer node at {address} does not allow this worker's key (--node-key {key}, public key "
                 f"{(public or b'').decode(errors='replace')}): add it to the node's --auth-keys DIR/clients, or use "

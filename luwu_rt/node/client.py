@@ -11,8 +11,10 @@ every chunk, so the plan rewrites the shard only after the node has stored it.
 A pull's handle waits until every chunk of the unit was written into the
 store's parameter shards (by the IO thread, while the pull queue waits).
 While the node says nothing for ``timeout_s`` - it answers each heartbeat - a
-waiting transfer fails naming the node's address; the join waits at most
-``timeout_s`` for the WELCOME after this worker's last HELLO or INIT. A
+waiting transfer fails naming the node's address, and so does every wait (a
+transfer, the credit of a push or INIT) that sees nothing but heartbeats for
+``timeout_s``; the join waits at most ``timeout_s`` for the WELCOME after this
+worker's last HELLO or INIT. A
 refused handshake (no CURVE keys, a key not allowed) fails every wait at once
 ([Note: refused handshakes] in auth.py), and a stop request (SIGINT, SIGTERM)
 ends a wait that sees no progress for ``STOP_GRACE_S``, the join at once ([Note: interrupting a run] in
@@ -156,15 +158,18 @@ class NodeClient:
         it was not); ``grace_s``: how long it may see no progress after a stop request."""
         started = time.monotonic()
         while not event.wait(0.2):
-            self._check(what, started=started, grace_s=grace_s)
+            # With a deadline of its own the wait says what it waited for when it passes, not only that the
+            # node answered nothing but heartbeats.
+            self._check(what, started=started, grace_s=grace_s, idle=deadline is None)
             if deadline is not None and time.monotonic() > deadline:
                 raise NodeError(f"{what}: {late}; raise --timeout to wait longer")
         if self.error is not None:
             raise NodeError(f"{what}: {self.error}")
 
-    def _check(self, what: str, *, started: float, grace_s: float = STOP_GRACE_S) -> None:
-        """Raises if the node restarted, failed, refused the handshake or went silent, or (``Interrupted``)
-        a stop was requested and the node shows no progress; for every wait on it."""
+    def _check(self, what: str, *, started: float, grace_s: float = STOP_GRACE_S, idle: bool = True) -> None:
+        """Raises if the node restarted, failed, refused the handshake or went silent, or (``idle``) answered
+        nothing but heartbeats since ``started``, or (``Interrupted``) a stop was requested and the node shows
+        no progress; for every wait on it."""
         if self.lost is not None:
             raise NodeLost(f"{what}: {self.lost}")
         if self.error is not None:
@@ -176,6 +181,11 @@ class NodeClient:
         if silent > self.timeout_s:
             raise NodeError(f"{what}: the optimizer node at {self.address} said nothing for {silent:.0f}s (it "
                             f"died or hung; is `luwu node serve` running there?); raise --timeout to wait longer")
+        waited = now - max(started, self.last_progress)
+        if idle and waited > self.timeout_s:  # it answers heartbeats, and nothing else: no wait outlasts --timeout
+            raise NodeError(f"{what}: the optimizer node at {self.address} answered nothing but heartbeats for "
+                            f"{waited:.0f}s (it waits for another worker, or does not take this one's messages: "
+                            f"see its log); raise --timeout to wait longer")
         signum = interrupt.pending()
         if signum is not None and now - max(started, self.last_progress) >= min(grace_s, self.timeout_s):
             raise interrupt.Interrupted(signum, f"{signal.Signals(signum).name}: stopped waiting for the optimizer "

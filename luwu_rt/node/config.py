@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from luwu_rt.plan.sizes import parse_size
@@ -9,7 +10,11 @@ from luwu_rt.plan.sizes import parse_size
 from .protocol import MAX_PAYLOAD_BYTES
 from .shards import parse_shard
 
-__all__ = ["NodeConfig"]
+__all__ = ["SPARE_CONNECTIONS", "NodeConfig", "check_address", "is_loopback"]
+
+SPARE_CONNECTIONS = 4
+"""Connections a node takes beyond its workers' and node shards': a worker that reconnects before the node
+saw its old connection end ([Note: the connection cap] in auth.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +48,11 @@ class NodeConfig:
     shard_index: int = field(init=False, default=0)
     num_shards: int = field(init=False, default=1)
 
+    @property
+    def max_connections(self) -> int:
+        """Connections the node takes at once ([Note: the connection cap] in auth.py)."""
+        return self.num_workers + self.num_shards - 1 + SPARE_CONNECTIONS
+
     def __post_init__(self) -> None:
         self.shard_index, self.num_shards = parse_shard(self.shard)
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -57,10 +67,38 @@ class NodeConfig:
             raise ValueError(f"--snapshot-every must be a whole number of steps >= 0, got {self.snapshot_every!r}")
         if self.snapshot_every and not self.snapshot_dir:
             raise ValueError("--snapshot-every needs --snapshot-dir DIR (a directory that survives restarts)")
-        if not _is_loopback(self.bind) and not self.auth_keys:
+        check_address(self.bind, flag="--bind", bind=True)
+        if not is_loopback(self.bind) and not self.auth_keys:
             raise ValueError(f"--bind {self.bind}: binding anything but loopback needs --auth-keys DIR (CURVE keys "
                              f"from `luwu node keygen DIR`), or bind tcp://127.0.0.1:PORT")
 
 
-def _is_loopback(address: str) -> bool:
-    return address.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost:", "tcp://[::1]:"))
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*|\*):(\*|[0-9]{1,5})")
+_LOOPBACK = re.compile(r"(127\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}|localhost|\[::1\])")
+
+
+def check_address(address: str, *, flag: str, bind: bool) -> None:
+    """Raises ``ValueError`` naming ``flag`` unless ``address`` is one ZeroMQ endpoint: ``tcp://HOST:PORT``
+    (one host, a port in 1..65535; a node may bind ``*`` for either), ``ipc://PATH`` or ``inproc://NAME``.
+    ZeroMQ itself takes more: ``tcp://A;B:P`` (a source address) and a port past 65535, which it wraps
+    around to another port without a word."""
+    if address.startswith(("ipc://", "inproc://")) and address.split("://", 1)[1]:
+        return
+    match = _TCP.fullmatch(address)
+    if match is None:
+        raise ValueError(f"{flag} {address!r}: expected tcp://HOST:PORT (one host name or IP address), ipc://PATH "
+                         f"or inproc://NAME")
+    host, port = match.groups()
+    if not bind and "*" in (host, port):
+        raise ValueError(f"{flag} {address}: a worker connects to one host and port, not *")
+    if port != "*" and not 0 < int(port) <= 65535:
+        raise ValueError(f"{flag} {address}: port {int(port)} is not in 1..65535" + (" (or * for one the system "
+                                                                                    "picks)" if bind else ""))
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (checked by ``check_address``) reaches this machine only."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    match = _TCP.fullmatch(address)
+    return match is not None and _LOOPBACK.fullmatch(match.group(1)) is not None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -11,10 +12,17 @@ from .auth import NodeGate
 from .config import NodeConfig
 from .events import Mailbox
 from .machine import NodeProtocol
-from .protocol import CREDIT_CHUNKS
 from .steps import NodeSteps
 
-__all__ = ["serve_loop"]
+__all__ = ["RECEIVE_MESSAGES", "serve_loop"]
+
+RECEIVE_MESSAGES = 2
+"""Messages a connection may have waiting in the node's socket (ZeroMQ's receive high-water mark, per peer),
+beside the one it is receiving: beyond them a peer waits in TCP, in no memory of the node's. (1 would do, but
+with CURVE a connection then receives nothing at all: libzmq 4.3.) The loop takes them as they come (a
+stranger's dropped by their header, [Note: strangers] in machine.py), so a worker's pushes flow as fast;
+a connection costs the node at most three frames of ``max_message_bytes`` however it floods ([Note: the
+connection cap] in auth.py)."""
 
 
 def serve_loop(*, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps, mailbox: Mailbox,
@@ -28,26 +36,33 @@ def serve_loop(*, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps, 
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 2000)
     router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker takes over its identity
-    router.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + 4096)
-    # Per peer: its credit's chunks and room for small messages; beyond that a peer waits in TCP.
-    router.setsockopt(zmq.RCVHWM, CREDIT_CHUNKS + 64)
-    gate = NodeGate(ctx, router, config.auth_keys, rejects=protocol.rejects, log=log) if config.auth_keys else None
+    router.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)  # per frame: a header or one payload
+    router.setsockopt(zmq.RCVHWM, RECEIVE_MESSAGES)
     inbox = ctx.socket(zmq.PULL)
+    gate = None
     try:
-        router.bind(config.bind)
+        gate = NodeGate(ctx, router, config.auth_keys, max_connections=config.max_connections,
+                        rejects=protocol.rejects, log=log)
+        try:
+            router.bind(config.bind)
+        except zmq.ZMQError as exc:  # in use, or an address this machine has not: one line, not a traceback
+            raise OSError(exc.errno, f"--bind {config.bind}: cannot listen there ({os.strerror(exc.errno)}); "
+                                     f"choose a free port, or a port of * for one the system picks") from None
         address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         bound(address)
         wake = f"inproc://luwu-node-wake-{id(mailbox)}"
         inbox.bind(wake)
         mailbox.attach(ctx, wake)
         log(f"listening on {address} for {config.num_workers} worker(s) "
-            + (f"(CURVE: clients in {config.auth_keys}/clients only)" if gate else
+            + (f"(CURVE: clients in {config.auth_keys}/clients only)" if config.auth_keys else
                "(open: loopback without --auth-keys, every local client is accepted)"))
         if ready is not None:
             ready.set()
-        return _run(router, inbox, gate, config=config, protocol=protocol, steps=steps, mailbox=mailbox,
+        protocol.progress_at = time.monotonic()  # the join's --timeout counts from here
+        return _run(router, inbox, config=config, protocol=protocol, steps=steps, mailbox=mailbox,
                     stopping=stopping, log=log)
     finally:
+        protocol.flush_log()
         mailbox.detach()
         inbox.close(0)
         if gate is not None:
@@ -56,15 +71,13 @@ def serve_loop(*, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps, 
         ctx.term()
 
 
-def _run(router, inbox, gate: NodeGate | None, *, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps,
-         mailbox: Mailbox, stopping: threading.Event, log: Callable[[str], None]) -> int:
+def _run(router, inbox, *, config: NodeConfig, protocol: NodeProtocol, steps: NodeSteps, mailbox: Mailbox,
+         stopping: threading.Event, log: Callable[[str], None]) -> int:
     import zmq
 
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(inbox, zmq.POLLIN)
-    if gate is not None:
-        poller.register(gate.monitor, zmq.POLLIN)
     finished_at = None
     while True:
         events = dict(poller.poll(500))
@@ -74,8 +87,6 @@ def _run(router, inbox, gate: NodeGate | None, *, config: NodeConfig, protocol: 
             except zmq.Again:
                 break
             protocol.handle(frames[0].bytes, frames[1:])
-        if gate is not None and gate.monitor in events:
-            gate.on_monitor()
         if inbox in events:
             while inbox.poll(0):
                 inbox.recv()
@@ -86,6 +97,12 @@ def _run(router, inbox, gate: NodeGate | None, *, config: NodeConfig, protocol: 
             router.send_multipart([identity, *frames], copy=False)
         if stopping.is_set():
             return 0
+        if not protocol.welcomed and time.monotonic() - protocol.progress_at > config.timeout:
+            problem = protocol.join_problem()
+            log(f"error: {problem}")
+            for identity, frames in protocol.failure(f"optimizer node gave up: {problem}"):
+                router.send_multipart([identity, *frames])
+            return 1
         if steps.error is not None:
             log(f"error: {steps.error}")
             for identity, frames in protocol.failure(f"optimizer node failed: {steps.error}"):

@@ -9,6 +9,30 @@ dispatched by their type, through a table.
 Phases: until every worker said HELLO with one manifest and worker 0 sent the
 initial state (INIT ... LAST) the node only collects; then it WELCOMEs every
 worker and the steps thread runs steps ``start_step + 1 .. steps`` (steps.py).
+The join is bounded: the loop ends the node when it made no progress (a new
+worker's HELLO, a fresh INIT chunk) for ``--timeout`` (``join_problem``).
+
+[Note: strangers]
+A peer that has no accepted HELLO is a stranger, and what it sends is judged
+by its header alone (``peek``) before a byte of the payload is read: a
+stranger may say HELLO (a manifest of at most ``MAX_HELLO_BYTES``, [Note: a
+HELLO is checked whole] in manifest.py), HEARTBEAT (no payload) and, as
+another node shard, NORM (one float64); anything else is dropped as it comes,
+so a flood of large messages costs the node neither a CRC pass nor memory
+beyond what waits in its socket (loop.py). The HELLO bytes the node reads
+from one stranger are its allowance, ``STRANGER_BYTES``; past it its HELLOs
+are dropped unread too.
+
+[Note: who may join]
+The first HELLO whose manifest is whole and valid, and whose run fits this
+node, binds the node to that run; every later one must be equal to it. A rank
+that joined is that connection's for the rest of this incarnation: a second
+connection claiming it is refused and logged (with CURVE, with both
+connections' key names: [Note: node keys] in auth.py), so no one takes over a
+worker's rank mid-run. Refusals tell a peer what is wrong with its own HELLO;
+without CURVE the peer is not authenticated, so they do not tell it the
+node's values (the run's manifest, its worker and shard counts): those go to
+the node's log only.
 """
 
 from __future__ import annotations
@@ -17,22 +41,28 @@ import json
 import queue
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import torch
 
 from luwu_rt.plan.dtypes import full_name
 
+from .auth import Throttled
 from .chunks import Assembly, cut
 from .config import NodeConfig
 from .events import (Begin, Event, NormsKnown, ReadState, Refusal, StateRead, StepDone, UnitServed)
-from .manifest import difference, job_id
-from .protocol import DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode
+from .manifest import MAX_HELLO_BYTES, first_difference, job_id, parse_manifest
+from .protocol import DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode, peek
 from .runner import NodeRunner
 from .shards import NormHub, pack_norms, unpack_norms
 
-__all__ = ["NodeProtocol"]
+__all__ = ["STRANGER_BYTES", "NodeProtocol"]
+
+STRANGER_BYTES = 2 * MAX_HELLO_BYTES
+"""HELLO bytes the node reads from one peer it has not admitted ([Note: strangers])."""
+_STRANGERS = 4096
+"""Strangers whose bytes the node remembers; the oldest is forgotten first."""
 
 
 class NodeProtocol:
@@ -56,6 +86,15 @@ class NodeProtocol:
         self.peers: dict[bytes, int] = {}
         """Socket identity -> worker rank, from its HELLO."""
         self.hellos: dict[int, bytes] = {}
+        """Worker rank -> the socket identity that joined as it ([Note: who may join])."""
+        self.keys: dict[int, str | None] = {}
+        """Worker rank -> the name of the CURVE key it joined with (None without CURVE)."""
+        self.progress_at = time.monotonic()
+        """When the join last made progress (a worker joined, a fresh INIT chunk): the loop bounds the wait."""
+        self._strangers: OrderedDict[bytes, int] = OrderedDict()
+        """Identity of a peer not admitted -> the HELLO bytes read from it ([Note: strangers])."""
+        self._refusals = Throttled(log, what="workers' messages")
+        """Refusals a peer can repeat at will: logged while they are few."""
         self.runner: NodeRunner | None = None
         self.welcomed = False
         self.byes: set[int] = set()
@@ -93,14 +132,16 @@ class NodeProtocol:
     def handle(self, identity: bytes, frames: list) -> None:
         """Processes one incoming message; a bad one is dropped and counted in ``rejects``, never raised."""
         try:
+            rank = self.peers.get(identity)
+            if rank is None:
+                self._stranger(identity, frames)
             msg = decode(frames, max_payload=self.config.max_message_bytes, trusted=bool(self.config.auth_keys))
             if msg.type == T.HELLO:
-                self._hello(identity, msg)
+                self._hello(identity, msg, key=_key_name(frames))
                 return
             if msg.type == T.NORM:  # from another node shard, not a worker
                 self._norm(identity, msg)
                 return
-            rank = self.peers.get(identity)
             if rank is None and msg.type == T.HEARTBEAT:
                 # Likely a worker of this node's previous incarnation: our epoch tells it to say HELLO again.
                 self.reply(identity, Message(T.HEARTBEAT, epoch=self.epoch))
@@ -129,60 +170,103 @@ class NodeProtocol:
         # Over CURVE the MAC guards every frame: no CRC pass ([Note: the node protocol]).
         self.outbox.append((identity, encode(msg, checksum=not self.config.auth_keys)))
 
-    def refuse(self, identity: bytes, text: str) -> None:
-        self.log(f"refused a worker: {text}")
-        self.reply(identity, Message(T.ERROR, epoch=self.epoch, dtype=DTYPE_CODES["utf8"], payload=text.encode()))
+    def refuse(self, identity: bytes, text: str, *, peer_text: str | None = None) -> None:
+        """Logs ``text`` (throttled) and sends the peer an ERROR: ``peer_text``, or ``text``."""
+        self._refusals(f"refused a worker: {text}")
+        payload = (peer_text or text).encode()
+        self.reply(identity, Message(T.ERROR, epoch=self.epoch, dtype=DTYPE_CODES["utf8"], payload=payload))
 
-    def _hello(self, identity: bytes, msg: Message) -> None:
+    def _stranger(self, identity: bytes, frames: list) -> None:
+        """Raises ``ProtocolError`` for what a peer not admitted may not send, by its header alone
+        ([Note: strangers])."""
+        head = peek(frames)
+        if head is None:
+            return  # decode says what is wrong with it
+        kind, nbytes = head
+        if kind == T.HELLO:
+            used = self._strangers.pop(identity, 0) + nbytes
+            self._strangers[identity] = used
+            while len(self._strangers) > _STRANGERS:
+                self._strangers.popitem(last=False)
+            if nbytes > MAX_HELLO_BYTES or used > STRANGER_BYTES:
+                raise ProtocolError("stranger", f"a HELLO of {nbytes} bytes, {used} in all from a peer not admitted")
+        elif not (kind == T.HEARTBEAT or kind == T.NORM and nbytes <= 8):
+            raise ProtocolError("peer", "message from a peer that has not said HELLO")
+
+    def _hello(self, identity: bytes, msg: Message, *, key: str | None = None) -> None:
+        """A worker's HELLO ([Note: who may join]); ``key``: the name of its connection's CURVE key."""
         try:
-            manifest = json.loads(bytes(msg.payload))
-            num_workers = int(manifest["num_workers"])
-        except (ValueError, KeyError, TypeError):
-            raise ProtocolError("hello", "HELLO payload is not a manifest") from None
-        problem = self._hello_problem(msg, manifest, num_workers)
+            manifest = parse_manifest(msg.payload)
+        except ValueError as exc:
+            self.rejects["hello"] += 1
+            self.refuse(identity, f"worker {msg.rank}'s HELLO{_with(key)}: {exc}")
+            return
+        problem = self._hello_problem(identity, msg, manifest, key)
         if problem:
             self.rejects["hello"] += 1
-            self.refuse(identity, problem)
+            self.refuse(identity, *problem[:1], peer_text=problem[1])
             return
-        if self.manifest is None:
-            self.manifest, self.job = manifest, job_id(manifest)
-        old = self.hellos.get(msg.rank)
-        if old is not None and old != identity:
-            self.peers.pop(old, None)  # a worker that reconnected
-        self.peers[identity], self.hellos[msg.rank] = msg.rank, identity
         if self.runner is None:
             try:
-                self.runner = self.make_runner(self.manifest)
+                runner = self.make_runner(manifest)
             except ValueError as exc:  # the run does not fit this node: every worker hears why
-                self.manifest, self.job = None, 0
-                self.peers.pop(identity, None)
-                self.hellos.pop(msg.rank, None)
+                self.rejects["hello"] += 1
                 self.refuse(identity, f"{exc} (luwu node serve --host-mem / --nvme-dir)")
                 return
-            self.log(f"run {self.job:08x}: {len(self.runner.numels)} units, "
-                     f"{sum(self.runner.numels):,} parameters, placement {self.runner.placement}")
+            self.manifest, self.job, self.runner = manifest, job_id(manifest), runner
+            self.log(f"run {self.job:08x}: {len(runner.numels)} units, {sum(runner.numels):,} parameters, placement "
+                     f"{runner.placement}")
+        if msg.rank not in self.hellos:
+            self.progress_at = time.monotonic()
+            self.log(f"worker {msg.rank} joined{_with(key)}")
+        self.peers[identity], self.hellos[msg.rank], self.keys[msg.rank] = msg.rank, identity, key
+        self._strangers.pop(identity, None)
         if self.welcomed:
             self._welcome(identity)
         else:
             self._maybe_start()
 
-    def _hello_problem(self, msg: Message, manifest: dict, num_workers: int) -> str | None:
-        """Why this node cannot take the HELLO (one line with the fix), or None."""
+    def _hello_problem(self, identity: bytes, msg: Message, manifest: dict, key: str | None) -> tuple[str, str] | None:
+        """Why this node cannot take the HELLO: ``(line for the log, line for the peer)``, each with the fix;
+        the peer's leaves out the node's values unless the peer is authenticated ([Note: who may join])."""
+        rank, shown = msg.rank, bool(self.config.auth_keys)
         if msg.step and self.resumed_from is None:  # a rejoin ([Note: a node that restarts] in worker.py)
-            return (f"worker {msg.rank} rejoins its run in step {msg.step}, but this node holds no snapshot of it: "
+            text = (f"worker {rank} rejoins its run in step {msg.step}, but this node holds no snapshot of it: "
                     f"{self.no_snapshot}. Resume the workers from their last checkpoint (luwu train --resume) "
                     f"against this node, or restart the run")
+            return text, text
+        joined = self.peers.get(identity)
+        if joined is not None and joined != rank:
+            text = f"a HELLO as worker rank {rank} from the connection of worker {joined}{_with(key)}"
+            return text, f"this connection joined as worker rank {joined} already"
         shards = manifest.get("nodes", [None])
         if len(shards) != self.config.num_shards:
-            return (f"worker {msg.rank} names {len(shards)} node address(es) in --node, but this node is shard "
+            text = (f"worker {rank} names {len(shards)} node address(es) in --node, but this node is shard "
                     f"{self.config.shard} of {self.config.num_shards}: list every node shard's address, in shard order")
-        if num_workers != self.config.num_workers or not 0 <= msg.rank < num_workers:
-            return (f"worker rank {msg.rank} of {num_workers} workers, but this node serves --num-workers "
+            return text, text if shown else (f"worker {rank} names {len(shards)} node address(es) in --node, another "
+                                             f"number than this node's shards (its log says which)")
+        count = manifest["num_workers"]
+        if count != self.config.num_workers or not 0 <= rank < count:
+            text = (f"worker rank {rank} of {count} workers, but this node serves --num-workers "
                     f"{self.config.num_workers}; start both with the same count")
-        diff = difference(self.manifest, manifest) if self.manifest is not None else None
-        if diff:
-            return (f"worker {msg.rank}'s run differs from the one this node serves at {diff}; give every worker "
-                    f"the same configuration (or restart the node)")
+            return text, text if shown else (f"worker rank {rank} of {count} workers: this node serves another "
+                                             f"number of workers (its log says how many); start both with the same "
+                                             f"count")
+        holder = self.hellos.get(rank)
+        if holder is not None and holder != identity:
+            text = (f"a second connection claims worker rank {rank}{_with(key)}, which joined already"
+                    f"{_with(self.keys.get(rank))}: a rank is not taken over; is another process started with the "
+                    f"same rank, or one that is no worker of this run?")
+            return text, (f"worker rank {rank} joined this node already, from another connection: start each rank "
+                          f"once (a node that restarts is joined anew)")
+        found = first_difference(self.manifest, manifest) if self.manifest is not None else None
+        if found:
+            where, ours, theirs = found
+            fix = "give every worker the same configuration (or restart the node)"
+            text = (f"worker {rank}'s run differs from the one this node serves at {where}: {ours!r} != {theirs!r}; "
+                    f"{fix}")
+            return text, text if shown else (f"worker {rank}'s run differs from the one this node serves at {where} "
+                                             f"(this worker's: {theirs!r}; the node's log says its own); {fix}")
         return None
 
     def _init_chunk(self, identity: bytes, msg: Message) -> None:
@@ -200,6 +284,8 @@ class NodeProtocol:
                     raise ProtocolError("init", "INIT of another state before the last one was whole")
                 buf, assembly = self._init.get(key) or self._staging(msg.unit)
                 fresh = assembly.put(msg.offset, msg.payload)
+                if fresh:
+                    self.progress_at = time.monotonic()
                 if assembly.complete:  # the unit's state is whole: into the store, the staging buffer dropped
                     runner.write_initial(msg.unit, INIT_STATES[msg.chunk], buf)
                     self._init.pop(key, None)
@@ -213,6 +299,7 @@ class NodeProtocol:
                                          epoch=self.epoch))  # the worker's credit back
         if msg.flags & F.LAST:
             self._init_done = True
+            self.progress_at = time.monotonic()
             self._maybe_start()
 
     def _staging(self, unit: int) -> tuple[torch.Tensor, Assembly]:
@@ -334,7 +421,41 @@ class NodeProtocol:
         self._send_range(event.identity, T.STATE, event.values, index=msg.chunk, rank=msg.rank, step=msg.step,
                          unit=msg.unit, dtype=DTYPE_CODES["float32"])
 
+    def join_problem(self) -> str:
+        """What the node still waits for before it welcomes the workers, as the line it exits with."""
+        missing = [r for r in range(self.config.num_workers) if r not in self.hellos]
+        if len(missing) == self.config.num_workers:
+            what = f"any worker's HELLO (of {self.config.num_workers})"
+        elif missing:
+            more = " ..." if len(missing) > 8 else ""
+            what = f"the HELLO of worker(s) {missing[:8]}{more} (joined: {sorted(self.hellos)[:8]})"
+        else:
+            what = "worker 0's initial state (INIT ... LAST)"
+        return (f"no run began within {self.config.timeout:g}s without progress: waited for {what}; start the workers "
+                f"with --node {self.config.bind if '*' not in self.config.bind else 'ADDRESS'} and --nproc "
+                f"{self.config.num_workers} (or raise --timeout)")
+
+    def flush_log(self) -> None:
+        """Logs how many refusals were not logged one by one, if any."""
+        self._refusals.flush()
+
     def failure(self, text: str) -> list[tuple[bytes, list]]:
         """The ERROR every joined worker gets when the node fails."""
         return [(identity, encode(Message(T.ERROR, epoch=self.epoch, dtype=DTYPE_CODES["utf8"], payload=text.encode())))
                 for identity in self.hellos.values()]
+
+
+def _with(key: str | None) -> str:
+    return f" (key {key})" if key else ""
+
+
+def _key_name(frames: list) -> str | None:
+    """The name of the CURVE key of the connection ``frames`` came on (the ZAP user id, [Note: node keys] in
+    auth.py); None without CURVE, or for frames that are no ZeroMQ frames (tests)."""
+    get = getattr(frames[0], "get", None) if frames else None
+    if get is None:
+        return None
+    try:
+        return get("User-Id") or None
+    except Exception:  # zmq.ZMQError: the connection has no user id (no CURVE)
+        return None

@@ -62,7 +62,7 @@ from luwu_rt._C import crc32c
 from luwu_rt.plan.dtypes import ELEMENT_BYTES
 
 __all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError",
-           "T", "VERSION", "F", "decode", "encode"]
+           "T", "VERSION", "F", "decode", "encode", "peek"]
 
 MAGIC = b"LUWU"
 VERSION = 3
@@ -193,6 +193,19 @@ def decode(frames: list, *, max_payload: int = MAX_PAYLOAD_BYTES, trusted: bool 
     elif nbytes and crc32c(payload) != checksum:
         raise ProtocolError("checksum", "payload CRC-32C does not match the header")
     return Message(kind, flags & ~F.UNCHECKED, job, rank, step, unit, chunk, offset, dtype, epoch, payload)
+
+
+def peek(frames: list) -> tuple[int, int] | None:
+    """``(type, nbytes)`` of the message in ``frames`` as its header says, without checking it or reading the
+    payload; None when there is no header of the right size. For the node to judge a peer it does not know
+    by the header alone ([Note: strangers] in machine.py)."""
+    if not frames:
+        return None
+    head = _buffer(frames[0])
+    if head.nbytes != HEADER.size:
+        return None
+    fields = HEADER.unpack(head)
+    return fields[2], fields[10]
 
 
 def _buffer(frame) -> memoryview:

@@ -149,6 +149,7 @@ class NodeService:
             return serve_loop(config=self.config, protocol=self.protocol, steps=self.steps, mailbox=self.mailbox,
                               stopping=self._stopping, log=self.log, bound=self._bound, ready=ready)
         finally:
+            self._stopping.set()  # the steps thread, between two steps or after the last, ends too
             self._close()
 
     def _bound(self, address: str) -> None:

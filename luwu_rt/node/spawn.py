@@ -10,6 +10,10 @@ import time
 from contextlib import contextmanager
 from collections.abc import Iterator
 
+from luwu_rt.interrupt import LAUNCHER_ENV
+
+from .client import NodeError
+
 __all__ = ["spawned_node"]
 
 
@@ -24,19 +28,21 @@ def spawned_node(*, num_workers: int, host_mem: str = "1GiB", timeout_s: float =
     with tempfile.TemporaryDirectory(prefix="luwu-node-") as tmp:
         ready = [os.path.join(tmp, f"address-{i}") for i in range(num_shards)]
         logging = ["--log-file", log_file] if log_file else []
+        # A node dies with this process, however it ends (SIGKILL too): die_with_launcher in interrupt.py.
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
         procs = [subprocess.Popen([sys.executable, "-m", "luwu_rt", "node", "serve", "--bind", "tcp://127.0.0.1:*",
                                    "--num-workers", str(num_workers), "--host-mem", host_mem,
                                    "--timeout", str(timeout_s), "--shard", f"{i}/{num_shards}",
-                                   "--ready-file", ready[i], "--quiet", *logging]) for i in range(num_shards)]
+                                   "--ready-file", ready[i], "--quiet", *logging], env=env) for i in range(num_shards)]
         try:
             deadline = time.monotonic() + start_timeout_s
             while not all(os.path.exists(r) for r in ready):
                 for proc in procs:
                     if proc.poll() is not None:
-                        raise RuntimeError(f"an optimizer node exited with status {proc.returncode} before it "
+                        raise NodeError(f"an optimizer node exited with status {proc.returncode} before it "
                                            f"listened (see its output above)")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the optimizer node did not listen within {start_timeout_s:g}s")
+                    raise NodeError(f"the optimizer node did not listen within {start_timeout_s:g}s")
                 time.sleep(0.05)
             addresses = []
             for r in ready:

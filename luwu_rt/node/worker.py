@@ -52,6 +52,7 @@ from luwu_rt.plan import ModelSpec, SwapPlan
 from luwu_rt.store import TieredStore
 
 from .client import NodeClient, NodeError, NodeLost
+from .config import check_address
 from .protocol import INIT_STATES
 from .shards import slice_of
 
@@ -76,11 +77,14 @@ class NodeWorker:
         if not all(self.addresses):
             raise ValueError(f"--node {address!r}: give the node shards' addresses separated by commas, in shard "
                              f"order, e.g. tcp://127.0.0.1:5555,tcp://127.0.0.1:5556")
+        for one in self.addresses:
+            check_address(one, flag="--node", bind=False)
         self.plan, self.store, self.model = plan, store, model
         self.optim, self.total_steps, self.dtype, self.loss_scale = optim, total_steps, dtype, loss_scale
         self.param_dtype = param_dtype
         self.rank, self.num_workers, self.all_reduce = rank, num_workers, all_reduce
-        self.timeout_s, self.node_key = timeout_s, node_key
+        # ``{rank}`` in --node-key: each worker its own key (luwu node keygen --workers N, [Note: node keys]).
+        self.timeout_s, self.node_key = timeout_s, node_key.replace("{rank}", str(rank)) if node_key else None
         self.dtypes = state_dtypes(param_dtype=param_dtype, grad_dtype=torch.float32)
         self.optimizer = OptimizerStep(plan.shards, optim=optim, total_steps=total_steps, loss_scale=loss_scale,
                                        param_dtype=param_dtype, grad_dtype=torch.float32)
@@ -179,7 +183,7 @@ class NodeWorker:
                                     f"{'/'.join(map(str, welcome.get('shard', [0, 1])))}: list the addresses in "
                                     f"shard order")
                 if welcome["step"] != step - 1:
-                    raise RuntimeError(f"the optimizer node at {address} is at step {welcome['step']}, this worker "
+                    raise NodeError(f"the optimizer node at {address} is at step {welcome['step']}, this worker "
                                        f"at step {step - 1}: resume the workers from the node's step")
             self._initial.clear()
         self.step = step

@@ -167,17 +167,23 @@ class TieredStore:
         if self.nvme is not None:
             self.nvme.flush()
 
-    def close(self) -> None:
-        """Releases the IO engine this store created (arenas are freed with the object)."""
-        if self._io is not None:
-            self._io.close()  # closes the tier's files before they are removed
-            self._io = None
+    def discard(self) -> None:
+        """What ``close`` removes (the NVMe tier's files, unless kept) and its lock, without closing the IO
+        engine: for a process that ends at once after a failure, whose threads may still be inside it. Files
+        still open are gone from the directory at once, their space freed when the process ends."""
         if self._scratch is not None:
-            # Under the lock, so no other run uses it now. Best effort: close() also runs after a failed step,
+            # Under the lock, so no other run uses it now. Best effort: this also runs after a failed step,
             # whose error must not be hidden by one about scratch files the next run rebuilds anyway.
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+    def close(self) -> None:
+        """Releases the IO engine this store created (arenas are freed with the object)."""
+        if self._io is not None:
+            self._io.close()  # closes the tier's files before they are removed
+            self._io = None
+        self.discard()
 

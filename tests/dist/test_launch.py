@@ -78,13 +78,15 @@ def _wait_for(predicate, seconds: float, what: str):
 class _Run:
     """A launcher process started by a test; its stderr is collected in a file."""
 
-    def __init__(self, argv: list[str], tmp_path: Path):
+    def __init__(self, argv: list[str], tmp_path: Path, *, sigint_ignored: bool = False):
+        """``sigint_ignored``: started as a script's background job is, with SIGINT ignored."""
         self.mark = uuid.uuid4().hex
         self.stderr_path, self.stdout_path = tmp_path / "stderr.txt", tmp_path / "stdout.txt"
         env = dict(os.environ, **{_MARK: self.mark})
         env.pop("WORLD_SIZE", None)
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
-            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err)
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=tmp_path, preexec_fn=ignore)
 
     def ranks(self, n: int) -> dict[int, int]:
         def found():
@@ -139,12 +141,13 @@ def _luwu_train(tmp_path: Path, runs: list, *flags: str) -> _Run:
     return run
 
 
-def _stand_in(tmp_path: Path, runs: list, *, timeout_s: float, fail_rank: int = -1, fail_step: int = -1) -> _Run:
+def _stand_in(tmp_path: Path, runs: list, *, timeout_s: float, fail_rank: int = -1, fail_step: int = -1,
+              sigint_ignored: bool = False) -> _Run:
     """``launch`` of 2 stand-in ranks, each writing its last step to tmp_path/step<rank>."""
     rank_cmd = [sys.executable, __file__, str(tmp_path), str(timeout_s), str(fail_rank), str(fail_step)]
     code = (f"import sys; from luwu_rt.dist.launch import launch; "
             f"sys.exit(launch({rank_cmd!r}, 2, timeout_s={timeout_s}))")
-    run = _Run([sys.executable, "-c", code], tmp_path)
+    run = _Run([sys.executable, "-c", code], tmp_path, sigint_ignored=sigint_ignored)
     runs.append(run)
     return run
 
@@ -296,7 +299,7 @@ def test_stopped_rank_is_named_when_the_timeout_expires(tmp_path, runs):
 def test_rank_that_fails_itself_is_named_once(tmp_path, runs):
     run = _stand_in(tmp_path, runs, timeout_s=20, fail_rank=1, fail_step=3)
     code, err = run.wait(40)
-    assert code == 1, err
+    assert code == 2, err  # a ValueError: an error the user can fix exits 2, as one process does
     assert "luwu: rank 1: ValueError: stand-in failure at step 3" in err, err
     assert "luwu: rank 0: rank 1 failed: ValueError: stand-in failure at step 3" in err, err
     assert "exited with code" not in err, err  # the launcher does not repeat what the rank said
@@ -312,6 +315,55 @@ def test_ctrl_c_stops_every_rank(tmp_path, runs):
     assert code == 130, err
     assert "stopped responding" not in err, err  # a rank that loses its peer to Ctrl-C does not blame it
     run.assert_nothing_left()
+
+
+
+def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored(tmp_path, runs):
+    """A script's background job inherits SIGINT ignored; the launcher installs its handler itself, so
+    kill -INT still stops the run (it ran to the end before)."""
+    run = _stand_in(tmp_path, runs, timeout_s=20, sigint_ignored=True)
+    run.ranks(2)
+    _wait_for(lambda: _step(tmp_path, 0) >= 2, 30, "rank 0 at step 2")
+    run.proc.send_signal(signal.SIGINT)
+    code, err = run.wait(15)
+    assert code == 130, err
+    run.assert_nothing_left()
+
+
+# ---------------------------------------------------------------------------------------------- leftovers
+
+
+def test_a_failed_multi_rank_run_leaves_no_nvme_state(tmp_path, runs):
+    """Rank 0 fails writing --json-log (a full disk): each rank removes its NVMe tier before it ends at once,
+    and the user's error exits 2 (before: every rank's luwu_state/*.bin stayed, and the run exited 1)."""
+    nvme = tmp_path / "nvme"
+    run = _luwu_train(tmp_path, runs, "--nproc", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                      "--eval-every", "0", "--quiet", "--chunk-size", "64KiB", "--json-log", "/dev/full",
+                      "--offload-optimizer", "nvme", "--nvme-dir", str(nvme))
+    code, err = run.wait(120)
+    assert code == 2, err
+    assert "luwu: rank 0: OSError: writing --json-log failed: No space left on device" in err, err
+    assert "Traceback" not in err, err
+    run.assert_nothing_left()
+    assert (nvme / "rank-0").is_dir(), "the run did not get as far as its NVMe tier"
+    left = [p for p in nvme.rglob("*") if p.is_file() and p.name != ".luwu.lock"]
+    assert not left, left
+
+
+def test_a_spawn_node_launcher_killed_leaves_no_node_and_no_scratch(tmp_path, runs):
+    """SIGKILL of `luwu train --spawn-node` while its node and scratch directory exist: the node dies with it
+    (before: re-parented to PID 1, alive for --timeout or forever), and ./luwu-scratch-* goes too."""
+    run = _luwu_train(tmp_path, runs, "--spawn-node", "--nproc", "2", "--steps", "100000", "--batch-size", "1",
+                      "--seq-len", "16", "--eval-every", "0", "--quiet", "--timeout", "600",
+                      "--offload-params", "nvme")
+    run.ranks(2)
+    _wait_for(lambda: any(tmp_path.glob("luwu-scratch-*/rank-*/luwu_state")), 120, "the ranks' NVMe tier")
+    node = [p for p in _marked(run.mark) if "serve" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    assert node, "no optimizer node was started"
+    run.proc.kill()
+    run.proc.wait()
+    run.assert_nothing_left()
+    _wait_for(lambda: not list(tmp_path.glob("luwu-scratch-*")), 10, "the scratch directory to go")
 
 
 if __name__ == "__main__":

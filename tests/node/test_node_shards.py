@@ -7,7 +7,6 @@ worker that lists the shards wrongly."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -145,12 +144,13 @@ def test_the_norm_hub_answers_every_shard_in_shard_order() -> None:
 def test_a_worker_naming_the_wrong_number_of_shards_is_refused() -> None:
     from test_protocol import manifest
 
+    from luwu_rt.node.manifest import manifest_bytes
     from luwu_rt.node.protocol import DTYPE_CODES, Message, T, decode, encode
 
     service = NodeService(NodeConfig(num_workers=2, shard="1/2"), run_steps=False, log=lambda line: None)
     m = manifest()
     service.handle(b"w0", encode(Message(T.HELLO, rank=0, dtype=DTYPE_CODES["json"],
-                                         payload=json.dumps(m).encode())))
+                                         payload=manifest_bytes(m))))  # a whole manifest, as a worker sends
     (identity, frames), = service.protocol.outbox
     reply = decode(frames)
     assert reply.type == T.ERROR and "names 1 node address(es)" in bytes(reply.payload).decode()

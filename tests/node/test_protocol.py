@@ -174,13 +174,18 @@ def test_seeded_fuzz_leaves_the_node_alive_and_unchanged() -> None:
 
 
 def test_a_hello_that_disagrees_is_refused_naming_the_difference() -> None:
-    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lambda line: None)
+    """The node's log names both values; the peer, unauthenticated without CURVE, hears where its run differs
+    and its own value, not the node's ([Note: who may join] in machine.py)."""
+    lines: list[str] = []
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lines.append)
     service.handle(b"w0", encode(Message(T.HELLO, rank=0, dtype=4, payload=manifest_bytes(manifest()))))
     service.handle(b"w1", encode(Message(T.HELLO, rank=1, dtype=4, payload=manifest_bytes(manifest(lr=0.5)))))
     identity, frames = service.protocol.outbox[-1]
     reply = decode(frames)
+    text = bytes(reply.payload).decode()
     assert identity == b"w1" and reply.type == T.ERROR
-    assert "optim.lr: 0.01 != 0.5" in bytes(reply.payload).decode()
+    assert "at optim.lr (this worker's: 0.5" in text and "0.01" not in text, text
+    assert any("optim.lr: 0.01 != 0.5" in line for line in lines), lines
     assert difference({"a": [1, {"b": 2}]}, {"a": [1, {"b": 3}]}) == "a[1].b: 2 != 3"
     assert json.loads(manifest_bytes(manifest()))["manifest_version"] == 1
 

@@ -120,3 +120,50 @@ def test_edited_lr_is_refused_by_verify_and_resume(saved, tmp_path) -> None:
     one_line_error(luwu("ckpt", "verify", str(root)), str(path), "checksum")
     one_line_error(luwu("train", "--steps", "6", *SMALL, "--ckpt-dir", str(root), "--resume"),
                    str(path), "checksum", "no usable checkpoint")
+
+
+def _as_format_1(saved, tmp_path, change=lambda m: None, *, strip: bool = False) -> Path:
+    """A copy whose manifest says format 1 without a checksum (after ``change``); ``strip`` also drops the
+    fields format 1 did not have, as a real format 1 manifest is."""
+    root = tmp_path / ("stripped" if strip else "downgraded")
+    work = root / saved.name
+    shutil.copytree(saved, work)
+    manifest = json.loads((work / MANIFEST).read_text())
+    change(manifest)
+    manifest["format"] = "luwu_rt.checkpoint/1"
+    del manifest["checksum"]
+    if strip:
+        del manifest["meta"]["run_id"]
+        for entry in manifest["tensors"].values():
+            del entry["bytes"]
+    (work / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return work
+
+
+def test_a_manifest_downgraded_to_format_1_is_refused(saved, tmp_path) -> None:
+    """Issue 20, item 6: setting `format` to format 1 and deleting the checksum let an edited manifest (lr 0.5,
+    two units' master files swapped) pass `luwu ckpt verify` and resume. It holds fields format 1 never had."""
+    def edit(m: dict) -> None:
+        m["meta"]["config"]["optim"]["lr"] = 0.5
+        t = m["tensors"]  # two blocks of one shape: each file still matches the checksum its entry names
+        assert t["u1.master"]["shape"] == t["u2.master"]["shape"]
+        t["u1.master"], t["u2.master"] = t["u2.master"], t["u1.master"]
+
+    work = _as_format_1(saved, tmp_path, edit)
+    assert _refused(work)
+    r = luwu("ckpt", "verify", str(work))
+    one_line_error(r, str(work / MANIFEST), "meta.run_id", "the manifest was edited")
+    r = luwu("train", "--steps", "1", *SMALL, "--ckpt-dir", str(work.parent), "--resume")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "resuming from" not in r.stderr, r.stderr
+
+
+def test_a_format_1_checkpoint_is_read_and_says_what_it_lacks(saved, tmp_path) -> None:
+    work = _as_format_1(saved, tmp_path, strip=True)
+    reader = CheckpointReader(work)
+    assert reader.format == "luwu_rt.checkpoint/1" and reader.run_id is None and reader.lacks
+    r = luwu("ckpt", "verify", str(work))
+    assert r.returncode == 0, r.stderr
+    assert "all checksums match; being luwu_rt.checkpoint/1, it lacks a checksum of the manifest itself" in r.stdout
+    r = luwu("train", "--steps", "1", *SMALL, "--ckpt-dir", str(work.parent), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"{work} is a luwu_rt.checkpoint/1 checkpoint: it lacks a checksum of the manifest itself" in r.stderr
