@@ -26,7 +26,7 @@ def manifest(**optim) -> dict:
                       "param_bytes": 4, "chunk_bytes": CHUNK, "max_shards_per_state": 2,
                       "optimizer_waits_for_backward": False},
             "optim": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-                      "weight_decay": 0.1, "grad_clip": 0.0, **optim},
+                      "weight_decay": 0.1, "grad_clip": 0.0, "schedule_steps": 3, **optim},
             "steps": 3, "dtype": "fp32", "loss_scale": 1.0, "num_workers": 2, "start_step": 0, "adam_step": 0}
 
 
