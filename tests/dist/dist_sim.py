@@ -180,20 +180,25 @@ def build_ranks(strategy: Strategy, placement: Placement, budgets: Budgets, mode
     world = LocalWorld(strategy.world_size, timeout_s=timeout_s)
     ranks = []
     for rank, plan in enumerate(plans):
-        r = _make_rank(rank, plan, tmp / f"rank-{rank}", io)
-        r.exact = not model.optimizer_waits_for_backward
-        store, norms = r.store, r.norms
         groups = {q: world.group(q, rank=rank, members=group_members(strategy, g, rank))
                   for q, g in plan.comm_groups.items()}
-        comm = CollectiveHandlers(plan.shards, groups=groups, param_dtype=torch.float32, grad_dtype=torch.float32,
-                                  norms=norms)
-        handlers = {"Compute": _compute(r), "OptimStep": _optim(r),
-                    "GradNorm": norms.grad_norm, **comm.handlers()}
-        # Ranks are threads of this process here: each draws the chaos delays of its own rank.
-        r.executor = Executor(plan, store=store, handlers=handlers, chaos=Chaos.from_env(rank=rank))
-        _write_initial(r, strategy)
-        ranks.append(r)
+        ranks.append(build_rank(rank, plan, groups, tmp, io))
     return ranks
+
+
+def build_rank(rank: int, plan, groups: dict, tmp: Path, io: IOEngine) -> Rank:
+    """One rank of ``plan`` whose collectives run on ``groups`` (queue -> ``luwu_rt.dist.Group``: in-process
+    groups, or ``TorchGroup``s of a real world), its initial state written."""
+    r = _make_rank(rank, plan, tmp / f"rank-{rank}", io)
+    r.exact = not any(op.kind == "OptimStep" and any(a.shard.unit == GLOBAL_UNIT for a in op.inputs)
+                      for op in plan.ops)  # clipped updates sum the norm in another order
+    comm = CollectiveHandlers(plan.shards, groups=groups, param_dtype=torch.float32, grad_dtype=torch.float32,
+                              norms=r.norms)
+    handlers = {"Compute": _compute(r), "OptimStep": _optim(r), "GradNorm": r.norms.grad_norm, **comm.handlers()}
+    # Ranks are threads of this process here: each draws the chaos delays of its own rank.
+    r.executor = Executor(plan, store=r.store, handlers=handlers, chaos=Chaos.from_env(rank=rank))
+    _write_initial(r, plan.strategy)
+    return r
 
 
 def _write_initial(r: Rank, strategy: Strategy) -> None:
