@@ -40,9 +40,10 @@ class Codec:
 
     def __init__(self, spec: CodecSpec, *, chunk_numel: int) -> None:
         assert spec.family != "none", "uncompressed units have no codec"
-        assert chunk_numel > 0 and chunk_numel % 32 == 0, f"a codec chunk of {chunk_numel} elements: a multiple of 32"
         self.spec = spec
-        self.chunk = chunk_numel
+        self.chunk = spec.codec_chunk(chunk_numel)
+        """Elements per codec chunk (onebit: its scale block)."""
+        assert self.chunk > 0 and self.chunk % 32 == 0, f"a codec chunk of {self.chunk} elements: a multiple of 32"
 
     @property
     def name(self) -> str:
@@ -50,7 +51,7 @@ class Codec:
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the payload of ``numel`` elements."""
-        return self.spec.payload_bytes(numel, self.chunk)
+        return self.spec.payload_bytes(numel, self.chunk)  # codec_chunk(self.chunk) is self.chunk
 
     def _check(self, values: tuple[torch.Tensor, ...], payload: torch.Tensor) -> None:
         numel = values[0].numel()
@@ -74,6 +75,7 @@ class Codec:
 
         g, e, family = _np(grad, np.float32), _np(residual, np.float32), self.spec.family
         if family in ("bf16", "fp16"):
+            payload[2 * grad.numel() :].zero_()  # an odd count's padding: the same bytes everywhere
             getattr(nb, f"{family}_encode")(g, e, _np(payload, np.uint16))
         elif family == "onebit":
             nb.onebit_encode(g, e, _np(payload, np.uint32), self.chunk)

@@ -9,8 +9,6 @@ one batch, the shorter last chunk on its own ([Note: codecs on the wire] in plan
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from luwu_rt.plan.codec import CodecSpec
@@ -33,6 +31,7 @@ def encode(spec: CodecSpec, grad: torch.Tensor, residual: torch.Tensor, payload:
     """Encodes ``grad + residual`` into ``payload`` and leaves the error in ``residual``."""
     x = residual.add_(grad)
     if spec.family in ("bf16", "fp16"):
+        payload[2 * x.numel() :].zero_()  # an odd count's padding
         low = payload.view(_HALF[spec.family])[: x.numel()]
         low.copy_(x)
         x.copy_(_finite(x - low.float()))
@@ -106,10 +105,13 @@ def _topk_decode(spec: CodecSpec, part: torch.Tensor, n: int) -> torch.Tensor:
     return out.scatter_add_(1, part.view(torch.int32)[:, :k].long(), part.view(torch.float32)[:, k:])
 
 
-@functools.cache
-def _start(cols: int, q: int) -> torch.Tensor:
-    """powersgd's fixed start Q0 (cols x q), the same on every rank and step: seeded by its shape."""
-    return torch.randn(cols, q, generator=torch.Generator().manual_seed(cols * 1009 + q))
+def _start(x: torch.Tensor, cols: int, q: int) -> torch.Tensor:
+    """powersgd's start Q0 (cols x q) for the chunks ``x``: drawn afresh from a seed that is the exact integer
+    sum of their bits, so that every rank and a single process draw the same one for the same values, and a
+    direction that one draw misses (a residual whose rows are orthogonal to Q0, which a fixed Q0 would never
+    send) is not missed at the next (PowerSGD proper warm-starts Q from the last step's, which is state)."""
+    seed = int(x.view(torch.int32).sum(dtype=torch.int64)) % (1 << 62) + cols * 1009 + q
+    return torch.randn(cols, q, generator=torch.Generator().manual_seed(seed)).to(x.device)
 
 
 def _powersgd_encode(spec: CodecSpec, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
@@ -118,7 +120,7 @@ def _powersgd_encode(spec: CodecSpec, x: torch.Tensor, part: torch.Tensor) -> to
     matrix = torch.zeros(count, rows * cols, dtype=torch.float32, device=x.device)
     matrix[:, :n] = x
     matrix = matrix.view(count, rows, cols)
-    p = torch.linalg.qr(matrix @ _start(cols, q).to(x.device)).Q  # orthonormal columns spanning M Q0
+    p = torch.linalg.qr(matrix @ _start(x, cols, q)).Q  # orthonormal columns spanning M Q0
     factors = part.view(torch.float32).view(count, rows + cols, q)
     factors[:, :rows] = p
     factors[:, rows:] = matrix.transpose(1, 2) @ p

@@ -6,8 +6,11 @@ payload takes, which collective carries it under each strategy, and how long its
 under a ``HardwareProfile``.
 
 [Note: codecs on the wire]
-A codec works on chunks of C gradient elements (a storage chunk of the fp32 gradient, ``chunk_numel``)
-and turns each chunk of n <= C elements into a payload of fixed size p(n), a multiple of 4 bytes:
+A codec works on chunks of C gradient elements - a storage chunk of the fp32 gradient (``chunk_numel``),
+except onebit, whose chunks are blocks of ``ONEBIT_BLOCK`` = 128 elements (one scale per 16k-element
+storage chunk mixes parameters of unlike scale, and trained gpt-tiny 27% worse in 300 steps than one per
+128, which ended within 4% of uncompressed) - and turns each chunk of n <= C elements into a payload of
+fixed size p(n), a multiple of 4 bytes:
 
   codec           payload p(n) of one chunk                  what it keeps
   bf16, fp16      2n (rounded up to 4)                       every element, rounded to nearest even
@@ -16,8 +19,8 @@ and turns each chunk of n <= C elements into a payload of fixed size p(n), a mul
   topk:R          8k, k = min(n, max(1, ceil(R n)))          the k largest |x| (ties: lowest index first),
                                                              as int32 index + fp32 value
   powersgd:Q      4 q (rows + cols), cols = ceil(sqrt n),    the chunk as a rows x cols matrix M, projected
-                  rows = ceil(n / cols), q = min(Q, rows,    on q orthonormal columns P of M Q0 (Q0 fixed
-                  cols)                                      and seeded): payload P and M^T P
+                  rows = ceil(n / cols), q = min(Q, rows,    on q orthonormal columns P of M Q0 (Q0 random,
+                  cols)                                      seeded by the chunk's bits): payload P and M^T P
 
 A piece of m elements takes P(m) = floor(m / C) p(C) + p(m mod C) bytes (p(0) = 0), and a shorter piece's
 payload is a prefix of a longer one's layout: every chunk but the last sits at the same offset.
@@ -35,10 +38,10 @@ process that applies the codec to the same gradients. Per unit of N elements on 
                  sums them. Sent per rank (W - 1) P(S); uncompressed reduce-scatter (W - 1) x 4S.
                  zero2 does it per micro-batch, as its uncompressed reduce-scatter.
 
-So onebit sends about 1/32 of the fp32 bytes at any W under zero1/zero2 and at W = 2 under ddp; ddp's
-all-gather grows with W (break-even for onebit near W = 64, for bf16 at W = 2: a cast's payload is half
-the data, and summing casts in flight as torch's bf16 hook does rounds every partial sum, an error no
-residual feeds back). A ddp reduce-scatter of payloads followed by an all-gather of the re-encoded sums
+So onebit sends 1/25.6 of the fp32 bytes at any W under zero1/zero2 and at W = 2 under ddp; ddp's
+all-gather grows with W: its bytes over the all-reduce's are W / 51.2 for onebit and W / 4 for a cast
+(break-even at W = 51 and W = 4; summing casts in flight as torch's bf16 hook does would halve the
+bytes at any W but rounds every partial sum, an error no residual feeds back). A ddp reduce-scatter of payloads followed by an all-gather of the re-encoded sums
 would move 2 (W - 1) / W P(N) at the price of a second residual per slice; it is not built. The cost
 model prices each choice by this table (``plan/compression.py``), so ``--compress auto`` compresses only
 where it pays.
@@ -50,7 +53,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AUTO_CODECS", "CODEC_FAMILIES", "COMPRESSING_STRATEGIES", "CodecSpec", "codec_seconds", "parse_codec",
+__all__ = ["AUTO_CODECS", "ONEBIT_BLOCK", "CODEC_FAMILIES", "COMPRESSING_STRATEGIES", "CodecSpec", "codec_seconds", "parse_codec",
            "parse_request", "scheme"]
 
 CODEC_FAMILIES = ("none", "bf16", "fp16", "onebit", "topk", "powersgd")
@@ -62,6 +65,8 @@ AUTO_CODECS = ("bf16", "onebit")
 _RATE_KEY = {"bf16": "cast", "fp16": "cast", "onebit": "onebit", "topk": "topk", "powersgd": "powersgd"}
 """Codec family -> the prefix of its ``HardwareProfile`` rate keys (``<prefix>_encode_gbps``, ``..._decode_gbps``)."""
 _FLAG = "--compress"
+ONEBIT_BLOCK = 128
+"""Elements per onebit scale ([Note: codecs on the wire]): 4 + 16 bytes per 128 fp32 elements, 25.6x fewer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,10 @@ class CodecSpec:
         rows = -(-n // cols) if n else 0
         return rows, cols, min(self.rank, rows, cols)
 
+    def codec_chunk(self, chunk_numel: int) -> int:
+        """Elements per codec chunk when the gradient's storage chunk holds ``chunk_numel``."""
+        return min(chunk_numel, ONEBIT_BLOCK) if self.family == "onebit" else chunk_numel
+
     def chunk_bytes(self, n: int) -> int:
         """Payload bytes of one chunk of ``n`` elements ([Note: codecs on the wire])."""
         if n <= 0:
@@ -109,8 +118,8 @@ class CodecSpec:
         """Bytes of the payload of a piece of ``numel`` elements cut into chunks of ``chunk_numel``."""
         if numel <= 0:
             return 0
-        full, rest = divmod(numel, chunk_numel)
-        return full * self.chunk_bytes(chunk_numel) + self.chunk_bytes(rest)
+        full, rest = divmod(numel, self.codec_chunk(chunk_numel))
+        return full * self.chunk_bytes(self.codec_chunk(chunk_numel)) + self.chunk_bytes(rest)
 
 
 def parse_codec(text: str) -> CodecSpec:

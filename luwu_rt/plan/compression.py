@@ -26,7 +26,7 @@ from .cost import collective_seconds
 from .sequence import _ring, codec_chunk_numel, codec_pieces
 from .spec import HardwareProfile, ModelSpec, Strategy, ceil_div
 
-__all__ = ["UnitChoice", "choose_codecs", "resolve_compression", "unit_sync"]
+__all__ = ["UnitChoice", "choose_codecs", "resolve_compression", "unit_choices", "unit_sync"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,16 +63,22 @@ def unit_sync(model: ModelSpec, strategy: Strategy, unit: int, codec: str, profi
     return times * _ring(received, ways, scheme(strategy.name)), times * seconds
 
 
+def unit_choices(model: ModelSpec, strategy: Strategy, profile: HardwareProfile) -> tuple[UnitChoice, ...]:
+    """Each unit's synchronisation under the codecs ``strategy`` (resolved) gives it, against uncompressed."""
+    return choose_codecs(model, strategy, candidates=(), profile=profile, given=True)
+
+
 def choose_codecs(model: ModelSpec, strategy: Strategy, *, candidates: tuple[str, ...],
-                  profile: HardwareProfile) -> tuple[UnitChoice, ...]:
-    """Per unit, the fastest of none and ``candidates`` ([Note: selective compression])."""
+                  profile: HardwareProfile, given: bool = False) -> tuple[UnitChoice, ...]:
+    """Per unit, the fastest of none and ``candidates`` ([Note: selective compression]); with ``given``, the
+    codec ``strategy`` already gives it."""
     out = []
     for u in range(len(model.units)):
         raw_bytes, raw_s = unit_sync(model, strategy, u, "none", profile)
         best = ("none", raw_bytes, raw_s)
-        for codec in candidates:
+        for codec in (strategy.codec(u),) if given else candidates:
             nbytes, seconds = unit_sync(model, strategy, u, codec, profile)
-            if seconds < best[2]:
+            if seconds < best[2] or (given and codec != "none"):
                 best = (codec, nbytes, seconds)
         out.append(UnitChoice(unit=u, codec=best[0], raw_bytes=raw_bytes, wire_bytes=best[1], raw_s=raw_s,
                               sync_s=best[2]))

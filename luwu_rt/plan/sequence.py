@@ -110,7 +110,8 @@ def home_of(state: str, placement: Placement) -> str:
     (communication buffers on the device, the updated slice and norms with the optimizer)."""
     if state in STATE_KINDS or state == "residual":
         return placement.home(state)  # a residual is fp32 state beside the moments
-    return "device" if state in ("param_full", "grad_full", "grad_slice") else placement.optim_tier
+    return "device" if state in ("param_full", "grad_full", "grad_slice", "grad_code", "grad_codes") \
+        else placement.optim_tier
 
 
 def _workspaces(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:

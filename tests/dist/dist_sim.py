@@ -132,6 +132,8 @@ class Rank:
     """The full parameters every compute of this step must see."""
     exact: bool = True
     """Whether they must be bit for bit the reference's (not after a clipped step)."""
+    spans: list | None = None
+    """The spans of the last step's ops."""
 
 
 def _compute(r: "Rank"):
@@ -221,7 +223,7 @@ def run_step(ranks: list[Rank], step: int, params: dict[int, torch.Tensor], *, t
     def go(r: Rank) -> None:
         r.step, r.params, r.optim.step = step, params, step
         try:
-            r.executor.run()
+            r.spans = r.executor.run()
         except BaseException as exc:
             failures.append(exc)
 

@@ -122,3 +122,41 @@ def compressed_sim(rank: int, runs: list[tuple[str, str]], steps: int, tmp: str)
             r.store.close()
             out[(name, codec)] = per
     return out
+
+
+def converge(rank: int, runs: list[tuple[str, dict]], steps: int, tail: int) -> dict[str, Any]:
+    """Each run of ``runs`` (``(key, config overrides)``) for ``steps`` steps: the mean training loss of its last
+    ``tail`` steps, its validation loss, its step time and bytes sent per step, and the seconds it took."""
+    import time
+
+    from luwu_rt.engine import Engine
+
+    out = {}
+    for key, overrides in runs:
+        start = time.perf_counter()
+        with Engine(None, config(**{"steps": steps, **overrides})) as engine:
+            metrics = [engine.train_step() for _ in range(steps)]
+            out[key] = {"tail_loss": sum(m["loss"] for m in metrics[-tail:]) / tail, "val": engine.evaluate(),
+                        "wire_bytes": metrics[-1]["wire_bytes"], "encode_s": metrics[-1]["encode_s"],
+                        "decode_s": metrics[-1]["decode_s"], "seconds": time.perf_counter() - start,
+                        "losses": [m["loss"] for m in metrics]}
+    return out
+
+
+def resume_compressed(rank: int, checkpoint: str) -> dict[str, list[float]]:
+    """The losses of continuing ``checkpoint`` to ``STEPS`` steps: as loaded (``resumed``), and with every
+    residual set to zero after loading (``zeroed``: what a resume that lost them would do)."""
+    import torch
+
+    from luwu_rt.engine import Engine
+
+    out = {}
+    for key in ("resumed", "zeroed"):
+        with Engine.load(checkpoint) as engine:
+            if key == "zeroed":
+                for u in range(engine.chain.num_units):
+                    if engine.strategy.codec(u) != "none":
+                        engine.optimizer.keep_initial(u, {"residual": torch.zeros(engine.chain.num_unit_params(u))})
+                engine.store.flush()
+            out[key] = [engine.train_step()["loss"] for _ in range(engine.step, STEPS)]
+    return out

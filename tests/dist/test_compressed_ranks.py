@@ -69,3 +69,19 @@ def test_compressed_strategies_stay_bit_exact_under_chaos(tmp_path, io, chaos, n
     _run(tmp_path, io, name, codec, world=4, micro_batches=2,
          placement=Placement(params="host", optimizer="nvme", grads="host"),
          budgets=Budgets(device_bytes=1 << 20, host_bytes=1 << 20, nvme_bytes=1 << 30))
+
+
+def test_trace_shows_encode_and_decode_spans_on_their_queues(tmp_path, io) -> None:
+    """--trace's Chrome trace has each compressed unit's encode and decode, named by codec and unit, on tracks
+    of their own beside the reduce queue's exchange."""
+    import json
+
+    from luwu_rt.exec import write_rank_traces
+
+    ranks, _ = _run(tmp_path, io, "zero1", "onebit", steps=1)
+    write_rank_traces([r.spans for r in ranks], tmp_path / "trace.json")
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    for queue, kind in (("encode", "Encode"), ("decode", "Decode")):
+        names = sorted(e["name"] for e in events if e["tid"] == queue and e["pid"] == 0)
+        assert names == sorted(f"{kind} onebit u{u}" for u in range(len(SIZES))), names
+    assert any(e["tid"] == "reduce" and e["args"]["bytes"] > 0 for e in events)

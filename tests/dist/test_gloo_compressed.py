@@ -11,6 +11,7 @@ from dist_sim import SIZES, reference
 from ranks import run_ranks
 import rank_jobs
 
+from luwu_rt.ckpt.format import CheckpointReader
 from luwu_rt.exec.chaos import CHAOS_ENV
 
 RUNS = [("ddp", "onebit"), ("zero1", "topk:0.01"), ("zero2", "onebit")]
@@ -30,3 +31,19 @@ def test_compressed_strategies_over_gloo_equal_the_single_process_codec(tmp_path
             for r in range(2):
                 got = torch.from_numpy(results[r][(name, codec)]["residual"][u])
                 assert torch.equal(got, expect[u][f"residual{r}"]), (name, codec, u, r)
+
+
+def test_a_compressed_run_resumes_exactly_with_its_residuals(tmp_path):
+    """zero1 with onebit on 2 ranks, checkpointed at step 5 and resumed: the resumed steps' losses are the
+    uninterrupted run's, bit for bit, because every rank's residual came back (with them zeroed they are not)."""
+    overrides = {"strategy": "zero1", "compress": "onebit"}
+    (full, _) = run_ranks(rank_jobs.train, 2, [("run", overrides)], {"run": str(tmp_path)}, env={CHAOS_ENV: ""})
+    checkpoint = tmp_path / f"step_{rank_jobs.SAVE_AT:08d}"
+    reader = CheckpointReader(checkpoint)
+    residuals = sorted(k for k in reader.tensors if ".residual." in k)
+    assert residuals and all(reader.read(k).abs().sum() > 0 for k in residuals)
+    assert {k.rsplit(".", 1)[1] for k in residuals} == {"rank0of2", "rank1of2"}
+    (got, _) = run_ranks(rank_jobs.resume_compressed, 2, str(checkpoint), env={CHAOS_ENV: ""})
+    want = full["run"]["losses"][rank_jobs.SAVE_AT:]
+    assert got["resumed"] == want
+    assert got["zeroed"] != want
