@@ -29,73 +29,81 @@ def _finite(r):
     return r if math.isfinite(r) else _ZERO
 
 
-# -- casts: payload = the 16-bit values, element i at i --------------------------------------------------
+# -- casts: payload = the 16-bit values, element i at i ----------------------------------------------------
+# In blocks of views indexed from 0, like the chunks below (vectorised: 1.4x encode, 1.8x decode).
 
-@njit(parallel=True, cache=True)
-def bf16_encode(g, e, out16):  # pragma: no cover - compiled
-    for i in prange(g.size):
-        x = g[i] + e[i]
-        h = f32_to_half_bits(x, KIND_BF16)
-        out16[i] = h
-        e[i] = _finite(x - half_bits_to_f32(h, KIND_BF16))
+_BLOCK = 4096
 
 
-@njit(parallel=True, cache=True)
-def fp16_encode(g, e, out16):  # pragma: no cover - compiled
-    for i in prange(g.size):
-        x = g[i] + e[i]
-        h = f32_to_half_bits(x, KIND_F16)
-        out16[i] = h
-        e[i] = _finite(x - half_bits_to_f32(h, KIND_F16))
+def _cast_kernels(kind: int):
+    """Encode and decode of one half type; ``kind`` is a constant of the compiled code, so the branches of the
+    rounding on it fold away (a kind passed per call costs 2x)."""
+
+    @njit(parallel=True, cache=True)
+    def encode(g, e, out16):  # pragma: no cover - compiled
+        for c in prange((g.size + _BLOCK - 1) // _BLOCK):
+            a = c * _BLOCK
+            b = min(a + _BLOCK, g.size)
+            gg, ee, oo = g[a:b], e[a:b], out16[a:b]
+            for i in range(gg.size):
+                x = gg[i] + ee[i]
+                h = f32_to_half_bits(x, kind)
+                oo[i] = h
+                ee[i] = _finite(x - half_bits_to_f32(h, kind))
+
+    @njit(parallel=True, cache=True)
+    def decode(in16, out, accumulate):  # pragma: no cover - compiled
+        for c in prange((out.size + _BLOCK - 1) // _BLOCK):
+            a = c * _BLOCK
+            b = min(a + _BLOCK, out.size)
+            hh, oo = in16[a:b], out[a:b]
+            if accumulate:
+                for i in range(oo.size):
+                    oo[i] += half_bits_to_f32(hh[i], kind)
+            else:
+                for i in range(oo.size):
+                    oo[i] = half_bits_to_f32(hh[i], kind)
+
+    return encode, decode
 
 
-@njit(parallel=True, cache=True)
-def bf16_decode(in16, out, accumulate):  # pragma: no cover - compiled
-    if accumulate:
-        for i in prange(out.size):
-            out[i] += half_bits_to_f32(in16[i], KIND_BF16)
-    else:
-        for i in prange(out.size):
-            out[i] = half_bits_to_f32(in16[i], KIND_BF16)
-
-
-@njit(parallel=True, cache=True)
-def fp16_decode(in16, out, accumulate):  # pragma: no cover - compiled
-    if accumulate:
-        for i in prange(out.size):
-            out[i] += half_bits_to_f32(in16[i], KIND_F16)
-    else:
-        for i in prange(out.size):
-            out[i] = half_bits_to_f32(in16[i], KIND_F16)
+bf16_encode, bf16_decode = _cast_kernels(KIND_BF16)
+fp16_encode, fp16_decode = _cast_kernels(KIND_F16)
 
 
 # -- onebit: per chunk [scale f32][ceil(n / 32) words of sign bits, element 32w + k at bit k of word w] ---
+# Loops index views of one chunk from 0 (``g[a:b]``): with indices running from ``a`` LLVM does not vectorise
+# them (measured 5x slower). ``reassoc`` lets it vectorise the float64 sum of |x| (its order then follows
+# the vector width: a rank's own encode, deterministic on its machine; every rank decodes the same bytes).
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath={"reassoc"})
 def onebit_encode(g, e, words, chunk):  # pragma: no cover - compiled
-    """``words``: the payload as uint32; chunk c starts at word c * (1 + chunk // 32)."""
+    """``words``: the payload as uint32; chunk c starts at word c * (1 + chunk // 32). Signs are of
+    x = g + e, so they and the sum of |x| come in one pass, the residual in a second."""
     scales = words.view(np.float32)
     stride = 1 + chunk // 32
     for c in prange((g.size + chunk - 1) // chunk):
         a = c * chunk
         b = min(a + chunk, g.size)
-        total = 0.0
-        for i in range(a, b):
-            x = g[i] + e[i]
-            e[i] = x
-            total += abs(x)
-        scale = np.float32(total / (b - a))
         base = c * stride
-        scales[base] = scale
+        total = 0.0
         for w in range((b - a + 31) // 32):
+            lo = a + 32 * w
+            gs = g[lo : min(lo + 32, b)]
+            es = e[lo : min(lo + 32, b)]
             word = np.uint32(0)
-            for k in range(min(32, b - a - 32 * w)):
-                i = a + 32 * w + k
-                x = e[i]
-                positive = x >= 0
-                word |= np.uint32(positive) << np.uint32(k)
-                e[i] = _finite(x - scale if positive else x + scale)
+            for k in range(gs.size):
+                x = gs[k] + es[k]
+                es[k] = x
+                total += abs(x)
+                word |= np.uint32(x >= _ZERO) << np.uint32(k)
             words[base + 1 + w] = word
+        scale = np.float32(total / (b - a))
+        scales[base] = scale
+        ee = e[a:b]
+        for i in range(ee.size):
+            x = ee[i]
+            ee[i] = _finite(x - (scale if x >= _ZERO else -scale))
 
 
 @njit(parallel=True, cache=True)
@@ -107,10 +115,15 @@ def onebit_decode(words, out, chunk, accumulate):  # pragma: no cover - compiled
         b = min(a + chunk, out.size)
         base = c * stride
         scale = scales[base]
-        for i in range(a, b):
-            bit = (words[base + 1 + (i - a) // 32] >> np.uint32((i - a) % 32)) & np.uint32(1)
-            value = scale if bit else -scale
-            out[i] = out[i] + value if accumulate else value
+        for w in range((b - a + 31) // 32):
+            seg = out[a + 32 * w : min(a + 32 * w + 32, b)]
+            word = words[base + 1 + w]
+            if accumulate:
+                for k in range(seg.size):
+                    seg[k] += scale if (word >> np.uint32(k)) & np.uint32(1) else -scale
+            else:
+                for k in range(seg.size):
+                    seg[k] = scale if (word >> np.uint32(k)) & np.uint32(1) else -scale
 
 
 # -- topk: per chunk [k int32 indices, ascending][k f32 values] -------------------------------------------
@@ -127,32 +140,34 @@ def topk_encode(g, e, words, chunk, k_full, k_last):  # pragma: no cover - compi
         b = min(a + chunk, g.size)
         n = b - a
         k = k_full if n == chunk else k_last
+        gg = g[a:b]
+        ee = e[a:b]
         mags = np.empty(n, np.float32)
-        for i in range(a, b):
-            x = g[i] + e[i]
-            e[i] = x
-            mags[i - a] = abs(x)
+        for i in range(n):
+            x = gg[i] + ee[i]
+            ee[i] = x
+            mags[i] = abs(x)
         threshold = np.partition(mags, n - k)[n - k]
         above = 0
-        for i in range(a, b):
-            above += abs(e[i]) > threshold
+        for i in range(n):
+            above += abs(ee[i]) > threshold
         ties = k - above  # equal to the threshold, taken from the lowest index up
         base = c * 2 * k_full
         j = 0
-        for i in range(a, b):
-            x = e[i]
+        for i in range(n):
+            x = ee[i]
             m = abs(x)
             take = m > threshold
             if m == threshold and ties > 0:
                 take = True
                 ties -= 1
             if take:
-                indices[base + j] = i - a
+                indices[base + j] = i
                 values[base + k + j] = x
                 j += 1
-                e[i] = _ZERO
+                ee[i] = _ZERO
             else:
-                e[i] = _finite(x)
+                ee[i] = _finite(x)
         for jj in range(j, k):  # NaNs compare with nothing: pad with zeros at index 0 (adds nothing)
             indices[base + jj] = 0
             values[base + k + jj] = _ZERO
@@ -167,8 +182,7 @@ def topk_decode(words, out, chunk, k_full, k_last, accumulate):  # pragma: no co
         b = min(a + chunk, out.size)
         k = k_full if b - a == chunk else k_last
         if not accumulate:
-            for i in range(a, b):
-                out[i] = _ZERO
+            out[a:b] = _ZERO
         base = c * 2 * k_full
         for j in range(k):
             out[a + indices[base + j]] += values[base + k + j]
