@@ -9,7 +9,7 @@ reads the payload, writes the output) per second, over the probe's; target >= 0.
 
 Part 2, training at 2 ranks (gloo on loopback, one torch thread and one Numba thread per rank): ours under
 ``--strategy`` with each codec of ``--codecs`` beside torch ``DistributedDataParallel`` with its own
-communication hooks (plain all-reduce, ``bf16_compress_hook``, PowerSGD of the same rank) on the same model,
+communication hooks (plain all-reduce, ``bf16_compress_hook``, PowerSGD of the same rank, in one bucket) on the same model,
 batches and AdamW, contestants in turn in every round, the order rotated. Per step the slower rank's time;
 bytes sent per rank per step measured as each rank's socket writes (``wchar`` of /proc/self/io: gloo's TCP
 transport writes with writev; nothing else of ours writes in the timed steps, every state being in memory).
@@ -39,7 +39,6 @@ import time
 from typing import Any
 
 import torch
-
 from report import cpu_model, emit  # benchmarks/report.py
 
 RANKS = 2
@@ -78,7 +77,12 @@ def _bytes_per_element(codec) -> float:
 
 def codec_throughput(args: argparse.Namespace) -> list[str]:
     from luwu_rt.compress import codec_for
-    from luwu_rt.kernels.bench import Contestant, OptimBench, OptimBenchConfig, run_rounds
+    from luwu_rt.kernels.bench import (
+        Contestant,
+        OptimBench,
+        OptimBenchConfig,
+        run_rounds,
+    )
 
     n = args.numel
     bench = OptimBench(OptimBenchConfig(numel=n, num_rounds=args.codec_rounds))
@@ -189,7 +193,10 @@ def _peer(args: argparse.Namespace, name: str, link: Link):
     from luwu_rt.optim.schedule import lr_at
 
     chain = build_gpt(args.model, device="cpu", seed=0)
-    ddp = DistributedDataParallel(chain.model)
+    # PowerSGD issues each bucket's second all-reduce from the first's callback, so with several buckets the
+    # ranks may interleave the buckets' collectives differently, which gloo refuses (sizes mismatch): one
+    # bucket for it (an explicit bucket_cap_mb caps the first bucket too); the others keep DDP's buckets.
+    ddp = DistributedDataParallel(chain.model, bucket_cap_mb=4096 if name == "torch-ddp-powersgd" else None)
     hook, state = default_hooks.allreduce_hook, None
     if name == "torch-ddp-bf16":
         hook = default_hooks.bf16_compress_hook
@@ -217,12 +224,11 @@ def _peer(args: argparse.Namespace, name: str, link: Link):
             g["lr"] = lr_at(count[0], lr=_OPTIM["lr"], min_lr=_OPTIM["min_lr"], warmup_steps=_OPTIM["warmup_steps"],
                             total_steps=10_000)
         opt.step()
-        (total,) = [t.item() for t in [loss.detach().clone()]]
-        return total
+        return loss.item()
     return step, None
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, out: "mp.Queue") -> None:
+def _rank(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(RANKS),
                        "LOCAL_WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "NUMBA_NUM_THREADS": "1"})
@@ -303,7 +309,7 @@ def _training_report(args: argparse.Namespace, got: dict) -> list[str]:
         times = [max(a, b) for a, b in zip(got[0]["record"][n]["times"], got[1]["record"][n]["times"])]
         sent = statistics.mean(statistics.median(got[r]["record"][n]["bytes"]) for r in range(RANKS))
         rows[n] = (statistics.median(times), sent, got[0]["record"][n]["losses"][-1])
-    base["ours"], base["torch"] = rows["ours-none"] if "ours-none" in rows else None, rows["torch-ddp"]
+    base["ours"], base["torch"] = rows.get("ours-none"), rows["torch-ddp"]
     link = f"{args.link_gbps:g} GB/s per rank (the benchmark's own token bucket over wchar)" if args.link_gbps else "none"
     lines = [f"### Training at {RANKS} ranks: {args.model}, {args.strategy}, batch {args.batch_size} x seq "
              f"{args.seq_len} per rank; link limit {link}", "",

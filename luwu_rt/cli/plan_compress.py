@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["describe_compression", "compression_text"]
+__all__ = ["compression_text", "describe_compression"]
 
 
 def describe_compression(model, result, *, request: str, profile, budgets, placement, policy: str) -> dict[str, Any]:

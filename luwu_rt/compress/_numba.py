@@ -16,7 +16,12 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from luwu_rt.kernels.numba_bits import KIND_BF16, KIND_F16, f32_to_half_bits, half_bits_to_f32
+from luwu_rt.kernels.numba_bits import (
+    KIND_BF16,
+    KIND_F16,
+    f32_to_half_bits,
+    half_bits_to_f32,
+)
 
 __all__ = ["bf16_decode", "bf16_encode", "fp16_decode", "fp16_encode", "onebit_decode", "onebit_encode",
            "topk_decode", "topk_encode"]

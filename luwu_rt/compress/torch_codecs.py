@@ -90,8 +90,7 @@ def _onebit_decode(spec: CodecSpec, part: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _topk_encode(spec: CodecSpec, x: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    count, n = x.shape
-    k = spec.topk_count(n)
+    k = spec.topk_count(x.shape[1])
     order = torch.sort(-x.abs(), dim=1, stable=True).indices[:, :k]  # ties: the lowest index first
     index = torch.sort(order, dim=1).values
     part.view(torch.int32)[:, :k] = index.to(torch.int32)

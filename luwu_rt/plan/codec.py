@@ -53,8 +53,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AUTO_CODECS", "ONEBIT_BLOCK", "CODEC_FAMILIES", "COMPRESSING_STRATEGIES", "CodecSpec", "codec_seconds", "parse_codec",
-           "parse_request", "scheme"]
+__all__ = [
+    "AUTO_CODECS",
+    "CODEC_FAMILIES",
+    "COMPRESSING_STRATEGIES",
+    "ONEBIT_BLOCK",
+    "CodecSpec",
+    "codec_seconds",
+    "parse_codec",
+    "parse_request",
+    "scheme",
+]
 
 CODEC_FAMILIES = ("none", "bf16", "fp16", "onebit", "topk", "powersgd")
 """Codec names without their parameter (``topk:RATIO``, ``powersgd:RANK`` take one)."""

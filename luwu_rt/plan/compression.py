@@ -21,7 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .codec import COMPRESSING_STRATEGIES, codec_seconds, parse_codec, parse_request, scheme
+from .codec import (
+    COMPRESSING_STRATEGIES,
+    codec_seconds,
+    parse_codec,
+    parse_request,
+    scheme,
+)
 from .cost import collective_seconds
 from .sequence import _ring, codec_chunk_numel, codec_pieces
 from .spec import HardwareProfile, ModelSpec, Strategy, ceil_div
@@ -50,12 +56,12 @@ def unit_sync(model: ModelSpec, strategy: Strategy, unit: int, codec: str, profi
     ``codec`` (``none``: the uncompressed collective)."""
     ways, numel = strategy.world_size, model.units[unit].num_params
     times = model.num_micro_batches if strategy.name == "zero2" else 1
-    link = dict(ranks=ways, latency_s=profile.net_latency_s, gbps=profile.net_gbps)
+    link = {"ranks": ways, "latency_s": profile.net_latency_s, "gbps": profile.net_gbps}
     if parse_codec(codec).family == "none":
         collective = "all_reduce" if strategy.name == "ddp" else "reduce_scatter"
         full = numel * model.grad_bytes if strategy.name == "ddp" else ceil_div(numel, ways) * ways * model.grad_bytes
         return times * _ring(full, ways, collective), times * collective_seconds(collective, nbytes=full, **link)
-    pieces, piece = codec_pieces(model, strategy, unit)
+    _, piece = codec_pieces(model, strategy, unit)
     received = ways * parse_codec(codec).payload_bytes(piece, codec_chunk_numel(model))
     seconds = (codec_seconds(codec, numel=numel, encode=True, profile=profile)
                + collective_seconds(scheme(strategy.name), nbytes=received, **link)

@@ -226,23 +226,24 @@ class HardwareProfile:
     node_nvme_write_gbps: float = 2.0
     """The optimizer node's host -> NVMe writes, GB/s."""
     # Gradient codecs ([Note: codecs on the wire] in codec.py): GB/s of fp32 gradient an encode reads (with
-    # its residual, fused) or a decode writes, on one rank. Defaults: the Numba kernels measured on the
-    # 2-core CPU machine of benchmarks/README.md (benchmarks/bench_compress.py); a GPU is far faster.
+    # its residual, fused) or a decode writes, on one rank. Defaults: the Numba kernels (torch for powersgd)
+    # on one core of the 2-core CPU machine of benchmarks/README.md, as ranks there get (bench_compress.py
+    # part 1 measures all cores); a GPU is far faster.
     cast_encode_gbps: float = 2.0
     """bf16/fp16 encode: x = g + e, round, e = x - round(x)."""
-    cast_decode_gbps: float = 4.0
+    cast_decode_gbps: float = 5.0
     """bf16/fp16 decode (and its sum into the output)."""
     onebit_encode_gbps: float = 2.0
-    """onebit encode: a pass for the chunk's mean |x|, a pass for the signs and the residual."""
-    onebit_decode_gbps: float = 4.0
+    """onebit encode: the signs and the sum of |x| in one pass, the residual in a second."""
+    onebit_decode_gbps: float = 3.0
     """onebit decode."""
-    topk_encode_gbps: float = 0.5
+    topk_encode_gbps: float = 0.2
     """topk encode: a selection of the k largest |x| per chunk, then the residual."""
-    topk_decode_gbps: float = 8.0
+    topk_decode_gbps: float = 10.0
     """topk decode: a scatter of k values per chunk (the rest of the output zeroed or kept)."""
-    powersgd_encode_gbps: float = 0.5
+    powersgd_encode_gbps: float = 0.12
     """powersgd encode: two thin matrix products and a QR per chunk."""
-    powersgd_decode_gbps: float = 2.0
+    powersgd_decode_gbps: float = 1.5
     """powersgd decode: one matrix product per chunk."""
 
     def __post_init__(self) -> None:

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from luwu_rt.ckpt.format import CheckpointReader, CheckpointWriter
-from luwu_rt.ckpt.save import rank_tensors, read_residual, residual_name, verify_checkpoint
+from luwu_rt.ckpt.save import (
+    rank_tensors,
+    read_residual,
+    residual_name,
+    verify_checkpoint,
+)
 from luwu_rt.plan.spec import Strategy
 
 NUMELS = (5, 7)

@@ -5,8 +5,8 @@ gradient accumulation, every tier, and under chaos (random delays on every queue
 
 import pytest
 import torch
-
 from dist_sim import SIZES, build_ranks, model_spec, read_full, reference, run_step
+
 from luwu_rt.io import IOEngine
 from luwu_rt.plan import Budgets, Placement, Strategy, validate_ranks
 from luwu_rt.plan.compression import resolve_compression

@@ -5,11 +5,10 @@ optimizer state, the parameters and every rank's residual, after 3 steps of 2 mi
 
 from __future__ import annotations
 
+import rank_jobs
 import torch
-
 from dist_sim import SIZES, reference
 from ranks import run_ranks
-import rank_jobs
 
 from luwu_rt.ckpt.format import CheckpointReader
 from luwu_rt.exec.chaos import CHAOS_ENV

@@ -10,8 +10,19 @@ from dataclasses import replace
 
 import pytest
 
-from luwu_rt.plan import (Budgets, Collective, HardwareProfile, ModelSpec, Placement, Strategy, UnitSpec, estimate,
-                          plan_step, validate, validate_ranks)
+from luwu_rt.plan import (
+    Budgets,
+    Collective,
+    HardwareProfile,
+    ModelSpec,
+    Placement,
+    Strategy,
+    UnitSpec,
+    estimate,
+    plan_step,
+    validate,
+    validate_ranks,
+)
 from luwu_rt.plan.analysis import state_bytes, wire_bytes
 from luwu_rt.plan.codec import parse_codec
 from luwu_rt.plan.compression import choose_codecs, resolve_compression, unit_choices
@@ -57,7 +68,7 @@ def test_compress_none_plans_exactly_as_before(name) -> None:
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.params)
 def test_compressed_plans_validate_with_every_tier(name, codec, placement) -> None:
-    model, plan = _plan(name, codec, placement=placement, micro_batches=2)
+    _, plan = _plan(name, codec, placement=placement, micro_batches=2)
     validate_ranks([plan] * 4)
     encodes = [op for op in plan.ops if isinstance(op, Encode)]
     decodes = [op for op in plan.ops if isinstance(op, Decode)]
@@ -75,7 +86,7 @@ def test_compressed_plans_validate_with_every_tier(name, codec, placement) -> No
 def test_bytes_on_the_wire_follow_the_note(name, codec) -> None:
     """(W - 1) P(N) per unit under ddp, (W - 1) P(S) under zero1/zero2 (per micro-batch for zero2), S = ceil(N / W)."""
     world, spec = 4, parse_codec(codec)
-    model, plan = _plan(name, codec, world=world)
+    _, plan = _plan(name, codec, world=world)
     sent = {op.unit: op.comm_bytes for op in plan.ops if isinstance(op, Collective) and op.queue == "reduce"
             and op.collective in ("all_gather", "all_to_all")}
     for u, n in enumerate(SIZES):
@@ -92,7 +103,7 @@ def test_bytes_on_the_wire_follow_the_note(name, codec) -> None:
 
 
 def test_encode_and_decode_cost_what_the_profile_says() -> None:
-    model, plan = _plan("ddp", "onebit", world=2)
+    _, plan = _plan("ddp", "onebit", world=2)
     slow = estimate(plan, HardwareProfile(onebit_encode_gbps=0.01, onebit_decode_gbps=0.01))
     fast = estimate(plan, HardwareProfile())
     assert slow.busy_s["encode"] == pytest.approx(4 * sum(SIZES) / 0.01e9)
@@ -144,3 +155,41 @@ def test_a_validator_catches_a_decode_that_reads_payloads_still_in_flight() -> N
                                                                               if d != wait)),) + plan.ops[i + 1:])
     with pytest.raises(ValueError, match="grad_codes.* may still be writing it"):
         validate(broken)
+
+
+def test_luwu_plan_shows_each_units_codec_and_what_it_saves(capsys, tmp_path) -> None:
+    import json
+
+    from luwu_rt.cli.main import main
+
+    profile = tmp_path / "slow.json"
+    profile.write_text(json.dumps({"net_gbps": 0.1}))
+    argv = ["plan", "--model", "gpt-small", "--world-size", "4", "--strategy", "zero2", "--compress", "auto",
+            "--profile", str(profile), "--nvme-size", "0", "--device-mem", "8GiB", "--host-mem", "8GiB"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    c = report["compression"]
+    assert [u["name"] for u in c["units"]][:2] == ["embed", "block0"]
+    assert {u["codec"] for u in c["units"]} <= {"none", "bf16", "onebit"} and c["units"][1]["codec"] == "onebit"
+    assert c["wire_bytes_per_step"] < c["uncompressed_wire_bytes_per_step"] and c["saved_s"] > 0
+    assert c["uncompressed_step_s"] == pytest.approx(report["predicted_step_s"] + c["saved_s"])
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "gradient compression (--compress auto)" in text and "block0     onebit" in text
+    # Without --compress the report has no compression part, as before.
+    assert main([a for a in argv if a not in ("--compress", "auto")] + ["--json"]) == 0
+    assert "compression" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
+def test_encode_exchange_and_decode_overlap_the_backward_of_lower_units(name) -> None:
+    """A unit's encode, transfer and decode depend on its own backward only: in the simulated step the last
+    unit's decode ends while the first unit's backward is still to come."""
+    from luwu_rt.plan import Compute, op_times
+
+    _, plan = _plan(name, "onebit", world=2, placement=PLACEMENTS[0])
+    times = op_times(plan, HardwareProfile(compute_flops=1e9))
+    last = len(SIZES) - 1
+    decode = next(i for i, op in enumerate(plan.ops) if isinstance(op, Decode) and op.unit == last)
+    b0 = next(i for i, op in enumerate(plan.ops) if isinstance(op, Compute) and op.name == "B0")
+    assert times[decode][1] < times[b0][0]
