@@ -41,8 +41,8 @@ process that applies the codec to the same gradients. Per unit of N elements on 
 So onebit sends 1/25.6 of the fp32 bytes at any W under zero1/zero2 and at W = 2 under ddp; ddp's
 all-gather grows with W: its bytes over the all-reduce's are W / 51.2 for onebit and W / 4 for a cast
 (break-even at W = 51 and W = 4; summing casts in flight as torch's bf16 hook does would halve the
-bytes at any W but rounds every partial sum, an error no residual feeds back). A ddp reduce-scatter of payloads followed by an all-gather of the re-encoded sums
-would move 2 (W - 1) / W P(N) at the price of a second residual per slice; it is not built. The cost
+bytes at any W but rounds every partial sum, an error no residual feeds back). A ddp reduce-scatter of
+payloads followed by an all-gather of the re-encoded sums would move 2 (W - 1) / W P(N) at the price of a second residual per slice; it is not built. The cost
 model prices each choice by this table (``plan/compression.py``), so ``--compress auto`` compresses only
 where it pays.
 """

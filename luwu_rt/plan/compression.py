@@ -51,7 +51,8 @@ class UnitChoice:
     """Predicted seconds of encode + collective + decode per step with ``codec``."""
 
 
-def unit_sync(model: ModelSpec, strategy: Strategy, unit: int, codec: str, profile: HardwareProfile) -> tuple[int, float]:
+def unit_sync(model: ModelSpec, strategy: Strategy, unit: int, codec: str,
+              profile: HardwareProfile) -> tuple[int, float]:
     """``(bytes sent, seconds)`` per step of unit ``unit``'s gradient synchronisation under ``strategy`` with
     ``codec`` (``none``: the uncompressed collective)."""
     ways, numel = strategy.world_size, model.units[unit].num_params

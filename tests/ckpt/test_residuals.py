@@ -39,7 +39,8 @@ def test_every_rank_writes_its_own_residual_of_each_compressed_unit() -> None:
         names = [t.name for t in rank_tensors(strategy=strategy, rank=rank, numels=NUMELS, param_dtype=torch.float32)
                  if t.state == "residual"]
         assert names == [residual_name(0, rank, 2)]
-    plain = rank_tensors(strategy=Strategy(name="zero1", world_size=2), rank=1, numels=NUMELS, param_dtype=torch.float32)
+    plain = rank_tensors(strategy=Strategy(name="zero1", world_size=2), rank=1, numels=NUMELS,
+                         param_dtype=torch.float32)
     assert not any(t.state == "residual" for t in plain)
 
 

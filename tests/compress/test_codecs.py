@@ -36,7 +36,8 @@ def _encode(codec, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def test_payload_sizes_follow_the_formula(name) -> None:
     spec = parse_codec(name)
     formula = {"bf16": lambda n: 4 * math.ceil(n / 2), "fp16": lambda n: 4 * math.ceil(n / 2),
-               "onebit": lambda n: 4 + 4 * math.ceil(n / 32), "topk": lambda n: 8 * min(n, max(1, math.ceil(spec.ratio * n))),
+               "onebit": lambda n: 4 + 4 * math.ceil(n / 32),
+               "topk": lambda n: 8 * min(n, max(1, math.ceil(spec.ratio * n))),
                "powersgd": lambda n: 4 * min(spec.rank, math.ceil(n / math.ceil(math.sqrt(n))), math.ceil(math.sqrt(n)))
                * (math.ceil(n / math.ceil(math.sqrt(n))) + math.ceil(math.sqrt(n)))}[spec.family]
     for n in (1, 2, 31, 32, 33, 100, 1000, 1024):

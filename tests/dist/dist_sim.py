@@ -60,7 +60,8 @@ def _readers(unit: int) -> list[int]:
     return [k for k in range(len(SIZES)) if k == unit or unit in READS.get(k, ())]
 
 
-def compressed_sum(grads: list[torch.Tensor], residuals: list[torch.Tensor], *, codec: str, strategy: str) -> torch.Tensor:
+def compressed_sum(grads: list[torch.Tensor], residuals: list[torch.Tensor], *, codec: str,
+                   strategy: str) -> torch.Tensor:
     """The sum over ranks of their gradients ``grads[r]`` sent through ``codec`` with error feedback (each
     rank's residual updated in place), as one process that applies the codec to the same gradients: pieces
     as the strategy cuts them ([Note: codecs on the wire] in plan/codec.py), decoded and summed in rank order."""
