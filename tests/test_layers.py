@@ -20,6 +20,8 @@ FLOORS: dict[str, int] = {
     "plan": 0, "config": 0, "fs": 0, "interrupt": 0, "_C": 0, "__init__": 0,
     "io": 1, "kernels": 1, "models": 1, "data": 1,
     "store": 2, "optim": 2, "ckpt": 2,
+    # gradient codecs: Numba kernels that reuse kernels' rounding, below the dist handlers that run them
+    "compress": 2,
     "exec": 3,
     "dist": 4, "node": 4,
     # the swap-schedule testing kit: simulates plans (plan) and writes their timelines with exec's trace

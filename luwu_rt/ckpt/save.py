@@ -6,11 +6,23 @@ states its strategy shards, and (rank 0) the replicated ones; rank 0 commits
 through ``World.together``: a rank that fails (a full disk) makes every rank
 raise, and rank 0 removes the partial directory, so nothing half-written is
 ever visible and no rank waits for a peer that gave up.
+
+[Note: residuals in checkpoints]
+A compressed unit's residual (error feedback, [Note: codecs on the wire] in
+plan/codec.py) is every rank's own: it is what that rank's codec still owes of
+its gradients, not a slice of anything. Each rank writes its residual whole as
+``u<unit>.residual.rank<r>of<W>``. A run on W' ranks gives rank r' the sum of
+the saved residuals of ranks r with r mod W' = r': on W' = W each rank gets its
+own back (an exact resume), on any other count the ranks together still owe
+exactly what the saved ones did (the sum of the residuals is what error
+feedback adds to the coming updates). A unit saved without a residual starts
+from zeros; a run that does not compress a unit ignores its residuals.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,7 +34,8 @@ from luwu_rt.ckpt.format import CheckpointReader, CheckpointWriter, slice_name
 from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.plan.spec import Strategy, ceil_div
 
-__all__ = ["PERSISTENT", "RankTensor", "rank_tensors", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["PERSISTENT", "RankTensor", "rank_tensors", "read_residual", "residual_name", "save_checkpoint",
+           "verify_checkpoint"]
 
 PERSISTENT = ("param", "master", "exp_avg", "exp_avg_sq")
 
@@ -41,9 +54,32 @@ class RankTensor(NamedTuple):
     dtype: torch.dtype
 
 
+def residual_name(unit: int, rank: int, count: int) -> str:
+    """The entry of rank ``rank``'s (of ``count``) residual of ``unit`` ([Note: residuals in checkpoints])."""
+    return f"u{unit}.residual.rank{rank}of{count}"
+
+
+def _residuals(reader: CheckpointReader, unit: int) -> dict[int, tuple[int, str]]:
+    """Saved rank -> (rank count, entry) of ``unit``'s residuals."""
+    pattern = re.compile(rf"u{unit}\.residual\.rank(\d+)of(\d+)")
+    return {int(m.group(1)): (int(m.group(2)), key) for key in reader.tensors if (m := pattern.fullmatch(key))}
+
+
+def read_residual(reader: CheckpointReader, unit: int, numel: int, *, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s (of ``world_size``) residual of ``unit`` from the checkpoint ([Note: residuals in
+    checkpoints]): its own when the rank counts match, else the sum of the saved ranks it stands for; zeros
+    when none was saved."""
+    out = torch.zeros(numel)
+    for saved, (_count, key) in sorted(_residuals(reader, unit).items()):
+        if saved % world_size == rank:
+            out += reader.read(key).reshape(-1)
+    return out
+
+
 def rank_tensors(*, strategy: Strategy, rank: int, numels: Sequence[int], param_dtype: torch.dtype) -> list[RankTensor]:
-    """The tensors rank ``rank`` writes: the first replica's slices of what ``strategy`` shards, and (rank 0)
-    the whole of what it replicates; ``numels``: each unit's parameter count."""
+    """The tensors rank ``rank`` writes: the first replica's slices of what ``strategy`` shards, (rank 0) the
+    whole of what it replicates, and its own residual of each compressed unit ([Note: residuals in
+    checkpoints]); ``numels``: each unit's parameter count."""
     ways = strategy.shard_ways
     out = []
     for u, n in enumerate(numels):
@@ -54,6 +90,8 @@ def rank_tensors(*, strategy: Strategy, rank: int, numels: Sequence[int], param_
                     out.append(RankTensor(slice_name(f"u{u}.{state}", rank, ways), u, state, ceil_div(n, ways), dtype))
             elif rank == 0:
                 out.append(RankTensor(f"u{u}.{state}", u, state, n, dtype))
+        if strategy.codec(u) != "none":
+            out.append(RankTensor(residual_name(u, rank, strategy.world_size), u, "residual", n, torch.float32))
     return out
 
 
@@ -146,10 +184,28 @@ def verify_checkpoint(reader: CheckpointReader, *, read_data: bool) -> int:
             if read_data:
                 reader.read_joined(f"u{u}.{state}", n)
             seen.update(parts)
+        seen.update(_verify_residuals(reader, u, n, read_data=read_data))
     stray = sorted(set(reader.tensors) - seen)
     if stray:
         raise ValueError(f"{where}: checkpoint has entries no unit of its model owns ({', '.join(stray[:3])})")
     return len(seen)
+
+
+def _verify_residuals(reader: CheckpointReader, unit: int, numel: int, *, read_data: bool) -> list[str]:
+    """The entries of ``unit``'s residuals, checked: none, or one per saved rank, fp32, of ``numel`` values."""
+    found = _residuals(reader, unit)
+    counts = {count for count, _ in found.values()}
+    if found and (len(counts) != 1 or sorted(found) != list(range(counts.pop()))):
+        raise ValueError(f"{reader.directory}: the residuals of unit {unit} are not one per rank "
+                         f"({sorted(key for _, key in found.values())}); the checkpoint is corrupt")
+    for _, key in found.values():
+        entry = reader.tensors[key]
+        if entry["dtype"] != "float32" or _numel(entry["shape"]) != numel:
+            raise ValueError(f"{reader.directory}: {key} is {entry['dtype']} of {_numel(entry['shape'])} values, a "
+                             f"residual is float32 of the unit's {numel}; the checkpoint is corrupt")
+        if read_data:
+            reader.read(key)
+    return [key for _, key in found.values()]
 
 
 def _numel(shape) -> int:

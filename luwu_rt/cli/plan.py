@@ -167,7 +167,8 @@ def _strategy(args: argparse.Namespace, config):
     if name == "auto":
         from luwu_rt.engine.strategy import candidate_strategies
 
-        return candidate_strategies("auto", world_size=args.world_size, shard_group_size=config.shard_group_size)
+        return candidate_strategies("auto", world_size=args.world_size, shard_group_size=config.shard_group_size,
+                                    compress=config.compress)
     return Strategy(name=name, world_size=args.world_size, group_size=config.shard_group_size)
 
 
@@ -242,9 +243,12 @@ def run(args: argparse.Namespace) -> int:
             from luwu_rt.engine.strategy import choose_plan
 
             strategy, result = choose_plan(model, strategies=candidates, budgets=budgets, placement=placement,
-                                           profile=profile)
+                                           profile=profile, compress=config.compress)
             head["strategy"] = strategy.name
         else:
+            from luwu_rt.plan.compression import resolve_compression
+
+            strategy = resolve_compression(model, strategy, config.compress, profile=profile)
             result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
                                policy=policy)
         node = _plan_node(args, model, strategy, profile, policy) if strategy.name == "node" else None
@@ -261,6 +265,11 @@ def run(args: argparse.Namespace) -> int:
     node_plan = None if node is None else node.plan
     cost = estimate(result.plan, profile, node=node_plan) if node_plan is not None else result.cost
     report = {**head, "fits": True, **_describe(result, cost)}
+    if config.compress != "none":  # each unit's codec, and what it saves ([Note: selective compression])
+        from luwu_rt.cli.plan_compress import describe_compression
+
+        report["compression"] = describe_compression(model, result, request=config.compress, profile=profile,
+                                                     budgets=budgets, placement=placement, policy=args.policy)
     if node is not None:
         validate(node.plan)
         report["node"] = _describe_node(node, cost, model=model, num_shards=args.node_shards or 1)
@@ -432,6 +441,10 @@ def _text(head: dict, r: dict) -> str:
                  f"(busy: {_busy(r['busy_s'])})")
     lines.append(f"{r['num_ops']} ops, eviction {r['policy']}; device reserve for activations "
                  f"{format_size(head['activation_bytes'])} (in the device peak)")
+    if "compression" in r:
+        from luwu_rt.cli.plan_compress import compression_text
+
+        lines += [""] + compression_text(r["compression"], r["predicted_step_s"])
     if "node" in r:
         lines += [""] + _node_text(r["node"])
     return "\n".join(lines)

@@ -160,11 +160,20 @@ def _describe(engine) -> str:
         s = engine.strategy
         group = f" in sharding groups of {s.shard_ways}" if s.name == "hsdp" else ""
         why = " (auto: the fastest predicted step that fits)" if engine.config.strategy == "auto" else ""
-        ranks = f"; strategy {s.name} on {engine.world.size} ranks{group}{why}; per rank: peak"
+        ranks = f"; strategy {s.name} on {engine.world.size} ranks{group}{why}{_compression(s)}; per rank: peak"
     else:
         ranks = "; peak"
     return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
             f"{', '.join(homes)}{ranks} {peaks}")
+
+
+def _compression(strategy) -> str:
+    """How the run compresses its gradients, for the first line: the codec, and how many units use it."""
+    if not strategy.compresses:
+        return ""
+    codecs = [c for c in strategy.compress if c != "none"]
+    kinds = ", ".join(f"{c} on {codecs.count(c)}" for c in dict.fromkeys(codecs))
+    return f", gradients compressed ({kinds} of {len(strategy.compress)} units)"
 
 
 def _where(engine, tier: str) -> str:
@@ -324,8 +333,9 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
 
 
 _LOGGED = ("step", "loss", "tokens_per_s", "step_s", "lr", "grad_norm", "skipped", "compute_s", "wait_s",
-           "optim_s", "io_s")
-"""Fields of a step's line in ``--json-log``; an evaluation adds a line ``{"step", "val_loss"}``."""
+           "optim_s", "io_s", "wire_bytes", "encode_s", "decode_s")
+"""Fields of a step's line in ``--json-log``; an evaluation adds a line ``{"step", "val_loss"}``. ``wire_bytes``:
+what the rank sends per step by its collectives; ``encode_s``/``decode_s``: its time in gradient codecs."""
 
 
 def _stopping(engine, stop) -> bool:
@@ -377,7 +387,8 @@ def _train(engine, args: argparse.Namespace) -> int:
         log = open(c.json_log, "a") if c.json_log and first else None
     except OSError as exc:
         raise OSError(exc.errno, f"cannot open --json-log ({exc.strerror})", c.json_log) from None
-    totals = {"step_s": 0.0, "compute_s": 0.0, "optim_s": 0.0, "io_s": 0.0, "wait_s": 0.0}
+    totals = {"step_s": 0.0, "compute_s": 0.0, "optim_s": 0.0, "io_s": 0.0, "wait_s": 0.0, "encode_s": 0.0,
+              "decode_s": 0.0}
     ran, speed = 0, 0.0
     bar = tqdm(total=c.steps, initial=engine.step, disable=args.quiet or not first, unit="step", dynamic_ncols=True)
     try:
@@ -442,4 +453,7 @@ def _train(engine, args: argparse.Namespace) -> int:
               f"{other * 1e3:.1f} ms (optimizer busy {avg['optim_s'] * 1e3:.1f} ms, "
               f"IO busy {avg['io_s'] * 1e3:.1f} ms, "
               f"overlapped)")
+        if engine.strategy.compresses:
+            print(f"gradients compressed: {m['wire_bytes'] / 1e6:.3g} MB sent per rank per step; encode "
+                  f"{avg['encode_s'] * 1e3:.1f} ms, decode {avg['decode_s'] * 1e3:.1f} ms per step (overlapped)")
     return 0

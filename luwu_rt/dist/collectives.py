@@ -1,4 +1,5 @@
-"""Handlers of the plan's collectives (``Reduce``, ``Gather``, ``NormReduce``) over process groups.
+"""Handlers of the plan's collectives (``Reduce``, ``Gather``, ``NormReduce``) over process groups, and of
+compressed units' ``Encode`` and ``Decode`` (``compressed.py``).
 
 Each communication queue of a plan owns one process group (``SwapPlan.comm_groups``;
 [Note: collectives as start and wait] in plan/ops.py); ``CollectiveHandlers``
@@ -31,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from luwu_rt.dist.compressed import CodecHandlers
 from luwu_rt.exec.executor import Handle, Views, WaitAll
 from luwu_rt.exec.norm import NormHandlers
 from luwu_rt.exec.views import state_dtypes, typed_views
@@ -56,6 +58,10 @@ class Group(Protocol):
 
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
         """``outputs[r]`` = rank r's ``input``."""
+        ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        """Piece r of ``output`` (W equal pieces) = piece ``self.rank`` of rank r's ``input``."""
         ...
 
 
@@ -103,6 +109,9 @@ class TorchGroup:
             return self._dist.all_gather_single(whole, input, group=self.group, async_op=True)
         return self._dist.all_gather(list(outputs), input, group=self.group, async_op=True)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        return self._dist.all_to_all_single(output, input, group=self.group, async_op=True)
+
 
 def _joined(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One flat tensor over ``pieces`` when they are consecutive contiguous runs of one storage, else None."""
@@ -132,7 +141,12 @@ class CollectiveHandlers:
         self.norms = norms
 
     def handlers(self) -> dict[str, Callable[[Collective, Views], Handle]]:
-        return {"Reduce": self.reduce, "Gather": self.gather, "NormReduce": self.norm_reduce}
+        """The collectives' handlers, and those of compressed units' ``Encode`` and ``Decode`` (which pieces
+        this rank encodes and decodes follow from its rank in the ``reduce`` queue's group)."""
+        out = {"Reduce": self.reduce, "Gather": self.gather, "NormReduce": self.norm_reduce}
+        if "reduce" in self.groups:
+            out.update(CodecHandlers(self.shards, rank=self.groups["reduce"].rank).handlers())
+        return out
 
     def _kind(self, views: Views, accesses: Sequence, state: str) -> list[torch.Tensor]:
         """The typed views of the shards of ``state`` among ``accesses``, in chunk order (none: empty)."""
@@ -159,6 +173,8 @@ class CollectiveHandlers:
 
     def reduce(self, op: Reduce, views: Views) -> Handle:
         group = self.groups[op.queue]
+        if op.collective in ("all_gather", "all_to_all"):  # payloads of a compressed unit
+            return self._exchange(op, views, group)
         if op.collective == "all_reduce":
             (state,) = {a.shard.state for a in op.outputs}
             return WaitAll([group.all_reduce(part) for part in self._kind(views, op.outputs, state)])
@@ -177,6 +193,19 @@ class CollectiveHandlers:
                 g.add_(s)
 
         return WaitAll(handles, add)
+
+    def _exchange(self, op: Reduce, views: Views, group: Group) -> Handle:
+        """The payloads of a compressed unit ([Note: codecs on the wire] in plan/codec.py): ``grad_code``, one
+        payload or one per rank, into ``grad_codes``, one per rank, as bytes."""
+        send = self._payloads(views, op.inputs, "grad_code")
+        received = self._payloads(views, op.outputs, "grad_codes")
+        if op.collective == "all_gather":
+            return WaitAll([group.all_gather(list(received.chunk(group.size)), send)])
+        return WaitAll([group.all_to_all(received, send)])
+
+    def _payloads(self, views: Views, accesses: Sequence, state: str) -> torch.Tensor:
+        (sid,) = [a.shard for a in accesses if a.shard.state == state]
+        return views[sid][: self.shards[sid].numel]
 
     def gather(self, op: Gather, views: Views) -> Handle:
         group = self.groups[op.queue]

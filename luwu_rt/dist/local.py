@@ -113,6 +113,12 @@ class LocalGroup:
             raise ValueError(f"all_gather needs {self.size} outputs, got {len(outputs)}")
         return self._issue("all_gather", (tuple(outputs), input), _sig(input, *outputs))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> WaitAll:
+        if input.numel() % self.size or output.shape != input.shape:
+            raise ValueError(f"all_to_all needs equal input and output of {self.size} equal pieces, got "
+                             f"{tuple(input.shape)} and {tuple(output.shape)}")
+        return self._issue("all_to_all", (output, input), _sig(input, output))
+
 
 def _sig(*tensors: torch.Tensor) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
@@ -142,4 +148,13 @@ def _all_gather(call: _Call) -> None:
             call.args[r][0][source].copy_(call.args[source][1])
 
 
-_COMPLETE = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather}
+def _all_to_all(call: _Call) -> None:
+    pieces = [call.args[r][1].reshape(call.size, -1) for r in range(call.size)]
+    for dest in range(call.size):
+        out = call.args[dest][0].reshape(call.size, -1)
+        for source in range(call.size):
+            out[source].copy_(pieces[source][dest])
+
+
+_COMPLETE = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather,
+             "all_to_all": _all_to_all}

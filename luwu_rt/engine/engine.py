@@ -49,7 +49,7 @@ from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
 from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig, resumed_settings
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
-from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, save_checkpoint, verify_checkpoint
+from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import config_model_spec, kept_units
 from luwu_rt.kernels.dtypes import torch_dtype
@@ -58,7 +58,7 @@ from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, ModelSpec, Placement, plan_step, validate
-from luwu_rt.plan.analysis import params_at_risk
+from luwu_rt.plan.analysis import params_at_risk, wire_bytes
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -201,12 +201,15 @@ class Engine:
         budgets = Budgets(device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes)
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
-                                          shard_group_size=self.config.shard_group_size)
+                                          shard_group_size=self.config.shard_group_size,
+                                          compress=self.config.compress)
         self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets,
-                                            placement=placement)
+                                            placement=placement, compress=self.config.compress)
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
+        self.wire_bytes = wire_bytes(self.plan)
+        """Bytes this rank sends per step by the plan's collectives (compressed payloads as encoded)."""
         # Evaluation runs a forward-only plan (one micro-batch) over the same store: the same layout (which
         # depends on the micro-batches: accumulating reduce-scatters have a workspace), homes and reserve.
         self.eval_plan = plan_step(replace(self.model_spec, forward_only=True), budgets=budgets,
@@ -279,8 +282,11 @@ class Engine:
 
     def _write_unit(self, unit: int, states: Mapping[str, torch.Tensor]) -> None:
         """Sets a unit's whole buffers (this rank's part of them, ``_mine``): the parameters in the store, the
-        optimizer state where the optimizer runs; without a ``param`` the compute copy is the master's."""
+        optimizer state where the optimizer runs; without a ``param`` the compute copy is the master's, and a
+        compressed unit's residual starts from zeros unless given."""
         param = states["param"] if "param" in states else states["master"].to(self.param_dtype)
+        if self.strategy.codec(unit) != "none" and "residual" not in states:
+            states = {**states, "residual": torch.zeros_like(states["master"])}
         self.optimizer.keep_initial(unit, {s: self._mine(s, v) for s, v in states.items() if s != "param"})
         self.store.write_state(unit, "param", self._mine("param", param))
         self.store.flush()
@@ -356,6 +362,7 @@ class Engine:
             "step_s": step_s, "tokens_per_s": tokens / step_s, "compute_s": busy.get("compute", 0.0),
             "optim_s": busy.get("optim", 0.0), "kept_bytes": self.compute.kept_bytes,
             "io_s": sum(busy.get(q, 0.0) for q in ("nvme_read", "nvme_write", "h2d", "d2h")),
+            "wire_bytes": self.wire_bytes, "encode_s": busy.get("encode", 0.0), "decode_s": busy.get("decode", 0.0),
             "wait_s": max(step_s - busy.get("compute", 0.0), 0.0),  # compute queue idle: waiting on IO or the optimizer
         }
 
@@ -379,6 +386,16 @@ class Engine:
         return loss
 
     # -- checkpoints --------------------------------------------------------------------------
+
+    def _load_residuals(self, reader: CheckpointReader) -> None:
+        """Each compressed unit's residual of this rank from the checkpoint ([Note: residuals in checkpoints]
+        in ckpt/save.py): its own on the same number of ranks, the sum of those it stands for on another."""
+        for u in range(self.chain.num_units):
+            if self.strategy.codec(u) != "none":
+                values = read_residual(reader, u, self.chain.num_unit_params(u), rank=self.world.rank,
+                                       world_size=self.world.size)
+                self.optimizer.keep_initial(u, {"residual": values})
+                self.store.flush()
 
     def _signature(self) -> dict[str, Any]:
         """Unit names, each own parameter's name and shape, and the prefix under which the unit's
@@ -444,6 +461,7 @@ class Engine:
             self._write_unit(u, {state: reader.read_joined(f"u{u}.{state}", n).to(
                                      self.param_dtype if state == "param" else torch.float32)
                                  for state in PERSISTENT})
+        self._load_residuals(reader)
         self.step = reader.meta["step"]
         self.optimizer.start_at(step=self.step, adam_step=reader.meta["adam_step"])
 

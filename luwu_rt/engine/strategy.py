@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import hashlib
 
+from dataclasses import replace
+
 from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, plan_auto
+from luwu_rt.plan.codec import COMPRESSING_STRATEGIES, parse_request
+from luwu_rt.plan.compression import resolve_compression
 from luwu_rt.plan.ops import Collective
 from luwu_rt.plan.search import PlanResult
 from luwu_rt.plan.spec import DATA_PARALLEL, Strategy
@@ -21,8 +25,18 @@ from luwu_rt.plan.spec import DATA_PARALLEL, Strategy
 __all__ = ["candidate_strategies", "choose_plan", "plan_digest"]
 
 
-def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0) -> list[Strategy]:
-    """The strategies a run of ``world_size`` ranks may use under ``TrainConfig.strategy == name``."""
+def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0,
+                         compress: str = "none") -> list[Strategy]:
+    """The strategies a run of ``world_size`` ranks may use under ``TrainConfig.strategy == name``; under
+    ``auto`` with a codec named by ``compress``, only those that compress (``auto`` compression keeps all)."""
+    out = _candidates(name, world_size=world_size, shard_group_size=shard_group_size)
+    auto, codecs = parse_request(compress)
+    if name == "auto" and not auto and codecs != ("none",):
+        out = [s for s in out if s.name in COMPRESSING_STRATEGIES]
+    return out
+
+
+def _candidates(name: str, *, world_size: int, shard_group_size: int) -> list[Strategy]:
     if name == "node":  # never chosen by auto: it needs an optimizer node process
         return [Strategy(name="node", world_size=world_size)]
     if world_size == 1:
@@ -46,12 +60,14 @@ def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 
 
 
 def choose_plan(model: ModelSpec, *, strategies: list[Strategy], budgets: Budgets, placement: Placement,
-                profile: HardwareProfile = HardwareProfile()) -> tuple[Strategy, PlanResult]:
+                profile: HardwareProfile = HardwareProfile(), compress: str = "none") -> tuple[Strategy, PlanResult]:
     """The candidate strategy whose fastest fitting placement predicts the shortest step (the first of
-    equals). Raises the most memory-frugal candidate's ``DoesNotFit`` when none fits."""
+    equals), each with the codecs ``compress`` (a ``--compress`` value) resolves to for it. Raises the most
+    memory-frugal candidate's ``DoesNotFit`` when none fits."""
     best: tuple[Strategy, PlanResult] | None = None
     error: ValueError | None = None
     for strategy in strategies:
+        strategy = resolve_compression(model, replace(strategy, compress=()), compress, profile=profile)
         try:
             result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile)
         except ValueError as exc:

@@ -308,6 +308,8 @@ QUEUE_STREAMS = {
     "gather": ("device", "NCCL all-gathers on their own stream, never behind compute, copies or a reduction"),
     "reduce": ("device", "NCCL reductions on their own stream, never behind a gather"),
     "reduce_cross": ("device", "hsdp's all-reduce across groups on its own stream, beside the next reduce-scatter"),
+    "encode": ("device", "gradient encoding (Numba kernels on the CPU) beside backward, never behind a decode"),
+    "decode": ("device", "decoding received payloads, beside the next unit's encode and transfer"),
     "push": ("host", "node: gradient sends over sockets by the queue thread"),
     "pull": ("host", "node: parameter receives, never behind a push"),
     "mem": ("host", "frees: no work; their events join their dependencies' ([Note: issuing ops on streams])"),

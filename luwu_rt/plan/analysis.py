@@ -7,22 +7,29 @@ it comes from a function here.
 
 from __future__ import annotations
 
-from .ops import Access, Compute, Free, Op, SwapPlan
+from .ops import Access, Collective, Compute, Free, Op, SwapPlan
 from .spec import STATE_KINDS
 
-__all__ = ["params_at_risk", "state_bytes"]
+__all__ = ["params_at_risk", "state_bytes", "wire_bytes"]
 
 
 def state_bytes(plan: SwapPlan) -> dict[str, int]:
     """Bytes of each state kind (``param``, ``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``) this rank
     holds: the size of its share, as the ZeRO paper's memory table counts it (P + G + 12 bytes per
     parameter for ddp, P + G + 12/N for zero1, P + (G + 12)/N for zero2, (P + G + 12)/N for zero3).
-    Workspaces and activations are not state; 4 KiB alignment rounds each unit's buffers up."""
-    out = dict.fromkeys((k for k in STATE_KINDS if any(s.state == k for s in plan.shards)), 0)
+    Workspaces and activations are not state; 4 KiB alignment rounds each unit's buffers up. A compressed
+    unit's ``residual`` (4 bytes per parameter, on every rank) is state too."""
+    out = dict.fromkeys((k for k in (*STATE_KINDS, "residual") if any(s.state == k for s in plan.shards)), 0)
     for shard, info in plan.shards.items():
         if shard.state in out:
             out[shard.state] += info.nbytes
     return out
+
+
+def wire_bytes(plan: SwapPlan) -> int:
+    """Bytes this process sends per step by its collectives and node transfers (``Collective.comm_bytes``:
+    ring algorithms; a node pull counts what it receives); a compressed unit's as its payloads."""
+    return sum(op.comm_bytes for op in plan.ops if isinstance(op, Collective))
 
 
 def params_at_risk(plan: SwapPlan) -> frozenset[tuple[int, int]]:

@@ -16,6 +16,7 @@ also runs every rank of a plan, with chaos delays and faults, for
 The alpha-beta model: a message step costs a latency alpha plus its bytes over
 the link's bandwidth (beta = 1 / bandwidth). For a buffer of M bytes over p ranks:
   reduce-scatter, all-gather  (p-1) alpha + (p-1)/p M beta       (ring: p-1 steps)
+  all-to-all                  (p-1) alpha + (p-1)/p M beta       (p-1 pieces out, one per peer)
   all-reduce, ring            2(p-1) alpha + 2(p-1)/p M beta     (reduce-scatter + all-gather)
   all-reduce, tree            2 ceil(log2 p) alpha + 2 M beta     (pipelined double binary tree, as NCCL)
   send, recv                  alpha + bytes beta
@@ -41,8 +42,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
 
-from .ops import (Collective, Compute, Free, GradNorm, Load, NormReduce, Op, OptimStep, Pull, Push, Recv, Serve, Store,
-                  SwapPlan, Wait)
+from .codec import codec_seconds
+from .ops import (Collective, Compute, Decode, Encode, Free, GradNorm, Load, NormReduce, Op, OptimStep, Pull, Push,
+                  Recv, Serve, Store, SwapPlan, Wait)
 from .sequence import group_members
 from .spec import TIERS, HardwareProfile
 
@@ -97,7 +99,7 @@ def collective_seconds(collective: str, *, nbytes: float, ranks: int, latency_s:
     beta = 1.0 / (gbps * _GB)
     if collective in ("send", "recv"):
         return latency_s + nbytes * beta
-    if collective in ("reduce_scatter", "all_gather"):
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
         return (ranks - 1) * latency_s + nbytes * (ranks - 1) / ranks * beta
     if collective != "all_reduce":
         raise ValueError(f"unknown collective {collective!r}")
@@ -145,6 +147,10 @@ class _Costs:
             return self._grad_bytes(op) / (gbps * _GB)
         if isinstance(op, Collective):
             return self.collective(op)
+        if isinstance(op, Encode):
+            return codec_seconds(op.codec, numel=op.numel, encode=True, profile=p)
+        if isinstance(op, Decode):  # every payload decoded into this rank's piece
+            return codec_seconds(op.codec, numel=op.payloads * op.piece_numel, encode=False, profile=p)
         assert isinstance(op, (Free, Wait)), op
         return 0.0
 

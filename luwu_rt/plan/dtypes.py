@@ -21,13 +21,17 @@ DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "f
 """The compute dtypes, short name -> full name, in the order ``--help`` lists them (the default first)."""
 LOW_PRECISION: tuple[str, ...] = ("bf16", "fp16")
 """The 2-byte compute dtypes: what a kernel's copy-out of the updated parameters (``param_out``) may be."""
-ELEMENT_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-"""Bytes per element by full name: the compute dtypes and ``float64``, a squared gradient norm's type."""
+ELEMENT_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1}
+"""Bytes per element by full name: the compute dtypes, ``float64`` (a squared gradient norm's type) and
+``uint8`` (a compressed gradient's payload bytes)."""
 FIXED_STATE_DTYPES: dict[str, str] = {"master": "float32", "exp_avg": "float32", "exp_avg_sq": "float32",
-                                      "norm": "float64"}
+                                      "norm": "float64", "residual": "float32", "grad_code": "uint8",
+                                      "grad_codes": "uint8"}
 """Full dtype name of each state kind whose type is fixed: the master weights and the moments in fp32, a
-(partial) squared gradient norm in float64. The parameters' kinds (``param``, ``param_full``, ``param_slice``)
-take the compute dtype and the gradients' kinds their own (``ModelSpec.param_bytes``, ``grad_bytes``)."""
+(partial) squared gradient norm in float64, a compressed unit's error-feedback residual in fp32 and its
+encoded payloads (``grad_code`` sent, ``grad_codes`` received) as bytes. The parameters' kinds (``param``,
+``param_full``, ``param_slice``) take the compute dtype and the gradients' kinds their own
+(``ModelSpec.param_bytes``, ``grad_bytes``)."""
 
 
 def full_name(name: str, *, what: str = "dtype") -> str:

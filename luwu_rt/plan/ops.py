@@ -36,8 +36,12 @@ gathered in full, zero3/hsdp), ``grad_full`` (a unit's full gradient as backward
 writes it, before its reduce-scatter, zero2/3/hsdp), ``grad_slice`` (zero1:
 this rank's reduce-scattered part of the full gradients it keeps),
 ``param_slice`` (zero1/2: this rank's updated part of the parameters, before
-the all-gather) and ``norm`` (the squared gradient norm of one unit, and of the
-whole step at unit ``GLOBAL_UNIT``).
+the all-gather), ``norm`` (the squared gradient norm of one unit, and of the
+whole step at unit ``GLOBAL_UNIT``), and for a compressed unit ``grad_code``
+(the payloads this rank encoded, bytes) and ``grad_codes`` (the payloads it
+received, one per rank): [Note: codecs on the wire] in codec.py. A compressed
+unit also has ``residual``, persistent fp32 state (error feedback) planned like
+the moments.
 
 Data moves only between neighbouring tiers. ``Load`` moves toward the device
 (nvme -> host, host -> device), ``Store`` away from it; which one persists dirty
@@ -54,7 +58,8 @@ from .spec import Budgets, Strategy
 
 __all__ = [
     "ShardId", "ShardInfo", "Access", "Op", "Load", "Store", "Free", "Compute", "OptimStep", "GradNorm",
-    "Collective", "Reduce", "Gather", "NormReduce", "Push", "Pull", "Recv", "Serve", "Wait", "SwapPlan",
+    "Collective", "Reduce", "Gather", "NormReduce", "Push", "Pull", "Recv", "Serve", "Wait", "SwapPlan", "Encode",
+    "Decode",
     "QUEUES", "COMM_QUEUES", "GLOBAL_UNIT", "WORKSPACE_KINDS", "format_ops",
 ]
 
@@ -68,6 +73,8 @@ QUEUES = {
     "gather": "parameter all-gathers: prefetched during forward and backward, never behind a reduction",
     "reduce": "gradient all-reduces and reduce-scatters, and the global norm's all-reduce",
     "reduce_cross": "hsdp: all-reduce of gradient slices across replica groups, beside the next reduce-scatter",
+    "encode": "compressed units: encode gradients with error feedback as each unit's become final, beside backward",
+    "decode": "compressed units: decode and sum received payloads, never holding up the next unit's encode",
     "push": "node: gradient pushes to the optimizer node (worker) / their aggregation (node)",
     "pull": "node: parameter pulls from the optimizer node (worker) / serving them (node); never behind a push",
     "mem": "bookkeeping: frees take no time but order arena reuse",
@@ -77,7 +84,7 @@ COMM_QUEUES = ("gather", "reduce", "reduce_cross", "push", "pull")
 start and wait])."""
 GLOBAL_UNIT = -1
 """Unit index of step-wide buffers (the total gradient norm), which belong to no unit."""
-WORKSPACE_KINDS = ("param_full", "grad_full", "grad_slice", "param_slice", "norm")
+WORKSPACE_KINDS = ("param_full", "grad_full", "grad_slice", "param_slice", "norm", "grad_code", "grad_codes")
 """Transient shard kinds of communication and the norm ([Note: planned workspaces])."""
 
 
@@ -255,6 +262,42 @@ class Recv(Collective):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Serve(Collective):
     """Optimizer node: send a unit's updated parameters to every worker."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Codec(Op):
+    unit: int
+    codec: str
+    """The codec's name (``plan/codec.py``), e.g. ``onebit`` or ``topk:0.01``."""
+    chunk_numel: int
+    """Elements per codec chunk: payload sizes follow from it ([Note: codecs on the wire] in codec.py)."""
+    numel: int
+    """Elements of the unit's gradient."""
+    piece_numel: int
+    """Elements per piece: the unit's (ddp) or one rank's slice S (zero1/zero2)."""
+    pieces: int
+    """Pieces the gradient is cut into: 1 (one payload, all-gathered) or W (piece s goes to rank s)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.codec} u{self.unit}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Encode(_Codec):
+    """Encode this rank's final gradient of a unit (``grad``, or ``grad_full`` under zero2) with error
+    feedback: per piece x = grad + residual, its payload into ``grad_code``, residual = x - decode(payload)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decode(_Codec):
+    """Decode the ``payloads`` received in ``grad_codes`` (this rank's piece from every rank) and sum them in
+    rank order into the unit's reduced gradient (``grad``, or ``grad_slice`` under zero1); with
+    ``accumulate`` into ``grad_slice`` and then added to ``grad`` (zero2's later micro-batches)."""
+
+    payloads: int
+    """Payloads received: one per rank."""
+    accumulate: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

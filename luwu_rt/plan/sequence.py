@@ -27,6 +27,11 @@ run, each on the queue that owns its process group:
           gradient slice is also all-reduced across the world / G replicas.
   node    no optimizer state on the worker: Push sends the unit's grads to
           the optimizer node, Pull receives its updated parameters.
+A compressed unit (``Strategy.compress``, ddp/zero1/zero2) replaces its
+gradient's Reduce by Encode (queue ``encode``: grad + residual -> ``grad_code``),
+a Reduce of the payloads (``all_gather`` or ``all_to_all`` of ``grad_code`` into
+``grad_codes``) and Decode (queue ``decode``: ``grad_codes`` -> the reduced
+gradient); [Note: codecs on the wire] in codec.py.
 Full buffers that a reduce-scatter reads or an all-gather writes hold W x S
 elements (padded) in one shard, so that every rank's part is one slice of it.
 Every strategy but node computes each unit's squared gradient norm (GradNorm)
@@ -39,8 +44,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .codec import parse_codec, scheme
 from .dtypes import ELEMENT_BYTES, FIXED_STATE_DTYPES
-from .ops import GLOBAL_UNIT, Compute, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce, ShardId, ShardInfo
+from .ops import (GLOBAL_UNIT, Compute, Decode, Encode, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce,
+                  ShardId, ShardInfo)
 from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
 
 __all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points",
@@ -99,9 +106,10 @@ def element_bytes(model: ModelSpec, state: str) -> int:
 def home_of(state: str, placement: Placement) -> str:
     """Home tier of any shard kind: the placement's for states; workspaces live where they are made
     (communication buffers on the device, the updated slice and norms with the optimizer)."""
-    if state in STATE_KINDS:
-        return placement.home(state)
-    return "device" if state in ("param_full", "grad_full", "grad_slice") else placement.optim_tier
+    if state in STATE_KINDS or state == "residual":
+        return placement.home(state)  # a residual is fp32 state beside the moments
+    return "device" if state in ("param_full", "grad_full", "grad_slice", "grad_code", "grad_codes") \
+        else placement.optim_tier
 
 
 def _workspaces(model: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
@@ -138,11 +146,37 @@ def build_layout(model: ModelSpec, strategy: Strategy) -> dict[ShardId, ShardInf
             max_shards = 1 if _one_shard(state, strategy) else model.max_shards_per_state
             _cut(layout, ShardId(u, state, 0), numel=numel, total=total, elem=elem, chunk=model.chunk_bytes,
                  max_shards=max_shards)
+        if strategy.codec(u) != "none":
+            _codec_shards(layout, model, strategy, u)
         if _tracks_norm(model, strategy):
             layout[ShardId(u, "norm", 0)] = ShardInfo(align_up(NORM_BYTES), 1, 0, 1)
     if _tracks_norm(model, strategy):
         layout[ShardId(GLOBAL_UNIT, "norm", 0)] = ShardInfo(align_up(NORM_BYTES), 1, 0, 1)
     return layout
+
+
+def codec_chunk_numel(model: ModelSpec) -> int:
+    """Elements per codec chunk: one storage chunk of the gradient ([Note: codecs on the wire] in codec.py)."""
+    return model.chunk_bytes // model.grad_bytes
+
+
+def codec_pieces(model: ModelSpec, strategy: Strategy, unit: int) -> tuple[int, int]:
+    """``(pieces, piece_numel)`` a compressed unit's gradient is encoded as: one piece of the whole unit
+    (ddp, all-gathered), or W pieces of S elements, piece s for rank s (zero1/zero2, all-to-all)."""
+    numel, ways = model.units[unit].num_params, strategy.world_size
+    return (1, numel) if scheme(strategy.name) == "all_gather" else (ways, ceil_div(numel, ways))
+
+
+def _codec_shards(layout: dict, model: ModelSpec, strategy: Strategy, u: int) -> None:
+    """A compressed unit's residual (fp32, one shard: every piece of it is one contiguous run) and its two
+    payload workspaces, each one shard of bytes."""
+    numel = model.units[u].num_params
+    layout[ShardId(u, "residual", 0)] = ShardInfo(align_up(numel * 4), numel, 0, ceil_div(numel * 4, model.chunk_bytes))
+    pieces, piece = codec_pieces(model, strategy, u)
+    one = parse_codec(strategy.codec(u)).payload_bytes(piece, codec_chunk_numel(model))
+    for state, nbytes in (("grad_code", pieces * one), ("grad_codes", strategy.world_size * one)):
+        layout[ShardId(u, state, 0)] = ShardInfo(align_up(max(nbytes, 1)), nbytes, 0,
+                                                 ceil_div(max(nbytes, 1), model.chunk_bytes))
 
 
 def _cut(layout: dict, first: ShardId, *, numel: int, total: int, elem: int, chunk: int, max_shards: int) -> None:
@@ -271,7 +305,9 @@ class _Sequence:
             self.compute("B", k, mb, grad_needs, finals[k] if last_mb else ())
             written.update(self.reads(k))
             for u in finals[k]:
-                if sharded:
+                if sharded and self.strategy.codec(u) != "none":
+                    self.compressed(u, source="grad_full", first=mb == 0)
+                elif sharded:
                     self.reduce_scatter(u, first=mb == 0)
                 if last_mb:
                     on_final(u)
@@ -286,6 +322,28 @@ class _Sequence:
             needs += self.needs((u,), "grad_slice", "device", "w") + self.needs((u,), "grad", "device", "rw")
         self.collective(Reduce, "reduce", u, "reduce_scatter", self.full_bytes(u, "grad"), needs, accumulate=not first)
 
+    def compressed(self, u: int, *, source: str, first: bool = True) -> None:
+        """Unit ``u``'s gradient (``source``: ``grad``, or zero2's ``grad_full`` of one micro-batch) encoded with
+        its residual, the payloads exchanged, and decoded into the reduced gradient: ddp's ``grad``, zero1's
+        ``grad_slice``, zero2's ``grad`` (its later micro-batches through ``grad_slice``, added in)."""
+        codec, ways = self.strategy.codec(u), self.strategy.world_size
+        pieces, piece = codec_pieces(self.model, self.strategy, u)
+        fields = dict(unit=u, codec=codec, chunk_numel=codec_chunk_numel(self.model),
+                      numel=self.model.units[u].num_params, piece_numel=piece)
+        self.add(Encode, "encode", dict(fields, pieces=pieces),
+                 self.needs((u,), source, "device", "r") + self.needs((u,), "residual", "device", "rw")
+                 + self.needs((u,), "grad_code", "device", "w"))
+        self.collective(Reduce, "reduce", u, scheme(self.strategy.name), self.layout[ShardId(u, "grad_codes", 0)].numel,
+                        self.needs((u,), "grad_code", "device", "r") + self.needs((u,), "grad_codes", "device", "w"))
+        if self.strategy.name == "zero1":
+            out = self.needs((u,), "grad_slice", "device", "w")
+        elif first:
+            out = self.needs((u,), "grad", "device", "w")
+        else:
+            out = self.needs((u,), "grad_slice", "device", "w") + self.needs((u,), "grad", "device", "rw")
+        self.add(Decode, "decode", dict(fields, pieces=pieces, payloads=ways, accumulate=not first),
+                 self.needs((u,), "grad_codes", "device", "r") + out)
+
     # -- after a unit's gradients are final -------------------------------------------------
 
     def post_backward(self, u: int) -> None:
@@ -297,7 +355,9 @@ class _Sequence:
             self.collective(Pull, "pull", u, "recv", self.full_bytes(u, "param"),
                             self.needs((u,), "param", "host", "w"), after=(push,))
             return
-        if name == "ddp":
+        if name in ("ddp", "zero1") and self.strategy.codec(u) != "none":
+            self.compressed(u, source="grad")
+        elif name == "ddp":
             self.collective(Reduce, "reduce", u, "all_reduce", self.full_bytes(u, "grad"),
                             self.needs((u,), "grad", "device", "rw"))
         elif name == "zero1":

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .codec import COMPRESSING_STRATEGIES, parse_codec
+
 __all__ = [
     "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "DATA_PARALLEL", "STRATEGIES", "ALIGN_BYTES",
     "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy", "forward_flops_per_token",
@@ -20,8 +22,9 @@ __all__ = [
 TIERS = ("device", "host", "nvme")
 """Fastest first. Data moves only between neighbours: device <-> host <-> nvme."""
 STATE_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
-PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
-"""Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it."""
+PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq", "residual"})
+"""Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it. ``residual`` (a compressing
+strategy's error feedback, [Note: codecs on the wire] in codec.py) exists only where a unit is compressed."""
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 """The strategies of several ranks that each run the optimizer on their own copy or shard of the state:
@@ -245,6 +248,26 @@ class HardwareProfile:
     """The optimizer node's NVMe -> host reads, GB/s."""
     node_nvme_write_gbps: float = 2.0
     """The optimizer node's host -> NVMe writes, GB/s."""
+    # Gradient codecs ([Note: codecs on the wire] in codec.py): GB/s of fp32 gradient an encode reads (with
+    # its residual, fused) or a decode writes, on one rank. Defaults: the Numba kernels (torch for powersgd)
+    # on one core of the 2-core CPU machine of benchmarks/README.md, as ranks there get (bench_compress.py
+    # part 1 measures all cores); a GPU is far faster.
+    cast_encode_gbps: float = 2.0
+    """bf16/fp16 encode: x = g + e, round, e = x - round(x)."""
+    cast_decode_gbps: float = 5.0
+    """bf16/fp16 decode (and its sum into the output)."""
+    onebit_encode_gbps: float = 2.0
+    """onebit encode: the signs and the sum of |x| in one pass, the residual in a second."""
+    onebit_decode_gbps: float = 3.0
+    """onebit decode."""
+    topk_encode_gbps: float = 0.2
+    """topk encode: a selection of the k largest |x| per chunk, then the residual."""
+    topk_decode_gbps: float = 10.0
+    """topk decode: a scatter of k values per chunk (the rest of the output zeroed or kept)."""
+    powersgd_encode_gbps: float = 0.12
+    """powersgd encode: two thin matrix products and a QR per chunk."""
+    powersgd_decode_gbps: float = 1.5
+    """powersgd decode: one matrix product per chunk."""
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -284,6 +307,9 @@ class Strategy:
     """Data-parallel ranks (workers, for ``node``)."""
     group_size: int = 0
     """``hsdp`` only: ranks per sharding group; 0 means min(8, world_size)."""
+    compress: tuple[str, ...] = ()
+    """Gradient codec of each unit (``codec.parse_codec`` names), resolved from ``--compress`` by
+    ``compression.resolve_compression``; empty: none anywhere. ``ddp``, ``zero1`` and ``zero2`` only."""
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -295,6 +321,22 @@ class Strategy:
         if self.group_size < 0 or self.world_size % self.shard_ways:
             raise ValueError(f"hsdp group size {self.shard_ways} must divide world_size={self.world_size}; "
                              f"set group_size to a divisor")
+        codecs = tuple(parse_codec(c).name for c in self.compress)
+        # Nothing compressed is the default strategy, whatever spelled it: its plans are the uncompressed ones.
+        object.__setattr__(self, "compress", codecs if any(c != "none" for c in codecs) else ())
+        if self.compresses and (self.name not in COMPRESSING_STRATEGIES or self.world_size < 2):
+            raise ValueError(f"--compress applies to {', '.join(COMPRESSING_STRATEGIES)} on 2 or more ranks, not "
+                             f"{self.name} on {self.world_size}: zero3 and hsdp gather parameters uncompressed, and "
+                             f"node pushes are not compressed yet; use --compress none")
+
+    @property
+    def compresses(self) -> bool:
+        """Whether any unit's gradients are compressed."""
+        return any(c != "none" for c in self.compress)
+
+    def codec(self, unit: int) -> str:
+        """The codec of ``unit``'s gradient synchronisation (``none`` when the strategy compresses nothing)."""
+        return self.compress[unit] if self.compress else "none"
 
     @property
     def shard_ways(self) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from luwu_rt.compress import codec_for
 from luwu_rt.dist import CollectiveHandlers, LocalWorld
 from luwu_rt.exec import AdamWHandler, Executor, NormHandlers, WaitAll
 from luwu_rt.exec.chaos import Chaos
@@ -59,20 +60,56 @@ def _readers(unit: int) -> list[int]:
     return [k for k in range(len(SIZES)) if k == unit or unit in READS.get(k, ())]
 
 
-def reference(*, world: int, micro_batches: int, steps: int, clip: bool) -> list[dict]:
-    """The single-process result: per step, each unit's full master, moments and parameters before it."""
+def compressed_sum(grads: list[torch.Tensor], residuals: list[torch.Tensor], *, codec: str,
+                   strategy: str) -> torch.Tensor:
+    """The sum over ranks of their gradients ``grads[r]`` sent through ``codec`` with error feedback (each
+    rank's residual updated in place), as one process that applies the codec to the same gradients: pieces
+    as the strategy cuts them ([Note: codecs on the wire] in plan/codec.py), decoded and summed in rank order."""
+    world, n = len(grads), grads[0].numel()
+    c = codec_for(codec, chunk_numel=CHUNK // 4)
+    piece = n if strategy == "ddp" else -(-n // world)
+    total = torch.zeros(n)
+    for first in range(0, n, piece):
+        last = min(first + piece, n)
+        for r in range(world):
+            payload = torch.empty(c.payload_bytes(last - first), dtype=torch.uint8)
+            c.encode(grads[r][first:last].contiguous(), residuals[r][first:last], payload)
+            c.decode(payload, total[first:last], accumulate=r > 0)
+    return total
+
+
+def _grads(step: int, world: int, micro_batches: int, residuals: dict, compress: tuple[str, str] | None) -> dict:
+    """Each unit's reduced gradient of ``step``: summed, or through ``compress`` = (codec, strategy)."""
+    def rank_grad(u, r, mbs):
+        return sum(contribution(step=step, computing=k, unit=u, rank=r, mb=mb) for mb in mbs for k in _readers(u))
+
+    if compress is None:
+        return {u: sum(rank_grad(u, r, range(micro_batches)) for r in range(world)) for u in range(len(SIZES))}
+    codec, strategy = compress
+    # zero2 reduces every micro-batch (its later ones added to the first's); ddp and zero1 the accumulated step.
+    groups = [[mb] for mb in range(micro_batches)] if strategy == "zero2" else [list(range(micro_batches))]
+    return {u: sum(compressed_sum([rank_grad(u, r, mbs) for r in range(world)], residuals[u], codec=codec,
+                                  strategy=strategy) for mbs in groups) for u in range(len(SIZES))}
+
+
+def reference(*, world: int, micro_batches: int, steps: int, clip: bool,
+              compress: tuple[str, str] | None = None) -> list[dict]:
+    """The single-process result: per step, each unit's full master, moments and parameters before it; with
+    ``compress`` = (codec, strategy), the gradients sent through the codec and each rank's residual after
+    the step (``residual<r>``)."""
     state = {u: initial(u) for u in range(len(SIZES))}
+    residuals = {u: [torch.zeros(SIZES[u]) for _ in range(world)] for u in state}
     history = []
     for step in range(1, steps + 1):
         history.append({u: {k: v.clone() for k, v in s.items()} for u, s in state.items()})
-        grads = {u: sum(contribution(step=step, computing=k, unit=u, rank=r, mb=mb) for r in range(world)
-                        for mb in range(micro_batches) for k in _readers(u)) for u in state}
+        grads = _grads(step, world, micro_batches, residuals, compress)
         total = sum(float(g.double().square().sum()) for g in grads.values())
         scale = min(1.0, MAX_NORM / (total ** 0.5 + 1e-6)) if clip else 1.0
         for u, s in state.items():
             adamw_step(s["master"], grads[u], s["exp_avg"], s["exp_avg_sq"], step=step, lr=HYPER.lr,
                        weight_decay=HYPER.weight_decay, grad_scale=scale)
-    history.append({u: {k: v.clone() for k, v in s.items()} for u, s in state.items()})
+    history.append({u: {k: v.clone() for k, v in s.items()} | {f"residual{r}": e.clone() for r, e in
+                                                                 enumerate(residuals[u])} for u, s in state.items()})
     return history
 
 
@@ -96,6 +133,8 @@ class Rank:
     """The full parameters every compute of this step must see."""
     exact: bool = True
     """Whether they must be bit for bit the reference's (not after a clipped step)."""
+    spans: list | None = None
+    """The spans of the last step's ops."""
 
 
 def _compute(r: "Rank"):
@@ -144,24 +183,31 @@ def build_ranks(strategy: Strategy, placement: Placement, budgets: Budgets, mode
     world = LocalWorld(strategy.world_size, timeout_s=timeout_s)
     ranks = []
     for rank, plan in enumerate(plans):
-        r = _make_rank(rank, plan, tmp / f"rank-{rank}", io)
-        r.exact = not model.optimizer_waits_for_backward
-        store, norms = r.store, r.norms
         groups = {q: world.group(q, rank=rank, members=group_members(strategy, g, rank))
                   for q, g in plan.comm_groups.items()}
-        comm = CollectiveHandlers(plan.shards, groups=groups, param_dtype=torch.float32, grad_dtype=torch.float32,
-                                  norms=norms)
-        handlers = {"Compute": _compute(r), "OptimStep": _optim(r),
-                    "GradNorm": norms.grad_norm, **comm.handlers()}
-        # Ranks are threads of this process here: each draws the chaos delays of its own rank.
-        r.executor = Executor(plan, store=store, handlers=handlers, chaos=Chaos.from_env(rank=rank))
-        _write_initial(r, strategy)
-        ranks.append(r)
+        ranks.append(build_rank(rank, plan, groups, tmp, io))
     return ranks
+
+
+def build_rank(rank: int, plan, groups: dict, tmp: Path, io: IOEngine) -> Rank:
+    """One rank of ``plan`` whose collectives run on ``groups`` (queue -> ``luwu_rt.dist.Group``: in-process
+    groups, or ``TorchGroup``s of a real world), its initial state written."""
+    r = _make_rank(rank, plan, tmp / f"rank-{rank}", io)
+    r.exact = not any(op.kind == "OptimStep" and any(a.shard.unit == GLOBAL_UNIT for a in op.inputs)
+                      for op in plan.ops)  # clipped updates sum the norm in another order
+    comm = CollectiveHandlers(plan.shards, groups=groups, param_dtype=torch.float32, grad_dtype=torch.float32,
+                              norms=r.norms)
+    handlers = {"Compute": _compute(r), "OptimStep": _optim(r), "GradNorm": r.norms.grad_norm, **comm.handlers()}
+    # Ranks are threads of this process here: each draws the chaos delays of its own rank.
+    r.executor = Executor(plan, store=r.store, handlers=handlers, chaos=Chaos.from_env(rank=rank))
+    _write_initial(r, plan.strategy)
+    return r
 
 
 def _write_initial(r: Rank, strategy: Strategy) -> None:
     for u in range(len(SIZES)):
+        if strategy.codec(u) != "none":  # error feedback starts from nothing owed
+            r.store.write_state(u, "residual", torch.zeros(SIZES[u]))
         for state, values in initial(u).items():
             mine = _slice(values, rank=r.rank % strategy.shard_ways, ways=strategy.shard_ways) if strategy.sharded(state) else values
             r.store.write_state(u, state, mine)
@@ -178,7 +224,7 @@ def run_step(ranks: list[Rank], step: int, params: dict[int, torch.Tensor], *, t
     def go(r: Rank) -> None:
         r.step, r.params, r.optim.step = step, params, step
         try:
-            r.executor.run()
+            r.spans = r.executor.run()
         except BaseException as exc:
             failures.append(exc)
 

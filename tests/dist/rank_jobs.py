@@ -81,3 +81,82 @@ def gather_into_one_buffer(rank: int) -> list[float]:
         warnings.simplefilter("error")
         TorchGroup(None).all_gather(list(whole.split(2)), torch.full((2,), float(rank + 1))).wait()
     return whole.tolist()
+
+
+def compressed_sim(rank: int, runs: list[tuple[str, str]], steps: int, tmp: str) -> dict:
+    """``dist_sim``'s rank (known gradients, exact sums) of each ``(strategy, codec)`` of ``runs``, its collectives
+    on real gloo groups: per run, this rank's optimizer state, parameters and residuals after ``steps`` steps
+    with 2 micro-batches."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from dist_sim import SIZES, build_rank, model_spec, reference
+    from luwu_rt.dist import TorchGroup
+    from luwu_rt.io import IOEngine
+    from luwu_rt.plan import Budgets, Placement, Strategy, plan_step
+    from luwu_rt.plan.compression import resolve_compression
+
+    dist.init_process_group("gloo")
+    world, model = dist.get_world_size(), model_spec(micro_batches=2)
+    out = {}
+    with IOEngine(block_bytes=4096, queue_depth=4) as io:
+        for name, codec in runs:
+            strategy = resolve_compression(model, Strategy(name=name, world_size=world), codec)
+            plan = plan_step(model, budgets=Budgets(device_bytes=1 << 20, host_bytes=1 << 20, nvme_bytes=1 << 30),
+                             placement=Placement(params="host", optimizer="nvme", grads="host"), strategy=strategy)
+            groups = {q: TorchGroup(dist.new_group(list(range(world)))) for q in sorted(plan.comm_groups)}
+            history = reference(world=world, micro_batches=2, steps=steps, clip=False, compress=(codec, name))
+            r = build_rank(rank, plan, groups, Path(tmp) / f"{name}-{codec}", io)
+            for step in range(1, steps + 1):
+                r.step, r.params, r.optim.step = step, {u: history[step - 1][u]["master"] for u in range(len(SIZES))}, step
+                r.executor.run()
+            per = {"master": [], "exp_avg": [], "exp_avg_sq": [], "param": [], "residual": []}
+            for u in range(len(SIZES)):
+                for state in per:
+                    numel = sum(i.numel for s, i in plan.shards.items() if s.unit == u and s.state == state)
+                    # numpy: pickled by value (a tensor would be shared through a descriptor of this process)
+                    per[state].append(r.store.read_state(u, state, torch.empty(numel)).numpy())
+            r.executor.close()
+            r.store.close()
+            out[(name, codec)] = per
+    return out
+
+
+def converge(rank: int, runs: list[tuple[str, dict]], steps: int, tail: int) -> dict[str, Any]:
+    """Each run of ``runs`` (``(key, config overrides)``) for ``steps`` steps: the mean training loss of its last
+    ``tail`` steps, its validation loss, its step time and bytes sent per step, and the seconds it took."""
+    import time
+
+    from luwu_rt.engine import Engine
+
+    out = {}
+    for key, overrides in runs:
+        start = time.perf_counter()
+        with Engine(None, config(**{"steps": steps, **overrides})) as engine:
+            metrics = [engine.train_step() for _ in range(steps)]
+            out[key] = {"tail_loss": sum(m["loss"] for m in metrics[-tail:]) / tail, "val": engine.evaluate(),
+                        "wire_bytes": metrics[-1]["wire_bytes"], "encode_s": metrics[-1]["encode_s"],
+                        "decode_s": metrics[-1]["decode_s"], "seconds": time.perf_counter() - start,
+                        "losses": [m["loss"] for m in metrics]}
+    return out
+
+
+def resume_compressed(rank: int, checkpoint: str) -> dict[str, list[float]]:
+    """The losses of continuing ``checkpoint`` to ``STEPS`` steps: as loaded (``resumed``), and with every
+    residual set to zero after loading (``zeroed``: what a resume that lost them would do)."""
+    import torch
+
+    from luwu_rt.engine import Engine
+
+    out = {}
+    for key in ("resumed", "zeroed"):
+        with Engine.load(checkpoint) as engine:
+            if key == "zeroed":
+                for u in range(engine.chain.num_units):
+                    if engine.strategy.codec(u) != "none":
+                        engine.optimizer.keep_initial(u, {"residual": torch.zeros(engine.chain.num_unit_params(u))})
+                engine.store.flush()
+            out[key] = [engine.train_step()["loss"] for _ in range(engine.step, STEPS)]
+    return out

@@ -1,0 +1,48 @@
+"""What ``luwu plan`` says about gradient compression: each unit's codec, its bytes and time against
+uncompressed ([Note: selective compression] in plan/compression.py), and the whole step both ways."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["compression_text", "describe_compression"]
+
+
+def describe_compression(model, result, *, request: str, profile, budgets, placement, policy: str) -> dict[str, Any]:
+    """The ``compression`` part of ``luwu plan``'s report for the plan of ``result`` (``--compress request``):
+    per unit, and the step predicted with the uncompressed plan of the same strategy and placement."""
+    from dataclasses import replace
+
+    from luwu_rt.plan import estimate, plan_step
+    from luwu_rt.plan.analysis import wire_bytes
+    from luwu_rt.plan.compression import unit_choices
+
+    strategy = result.plan.strategy
+    units = [{"unit": c.unit, "name": model.units[c.unit].name, "codec": c.codec, "raw_bytes": c.raw_bytes,
+              "wire_bytes": c.wire_bytes, "raw_s": c.raw_s, "sync_s": c.sync_s}
+             for c in unit_choices(model, strategy, profile)] if strategy.name in ("ddp", "zero1", "zero2") else []
+    plain = plan_step(model, budgets=budgets, placement=result.placement, strategy=replace(strategy, compress=()),
+                      policy=policy)
+    plain_s = estimate(plain, profile).predicted_step_s
+    return {"request": request, "units": units, "wire_bytes_per_step": wire_bytes(result.plan),
+            "uncompressed_wire_bytes_per_step": wire_bytes(plain), "uncompressed_step_s": plain_s,
+            "saved_s": plain_s - result.cost.predicted_step_s}
+
+
+def compression_text(c: dict[str, Any], predicted_s: float) -> list[str]:
+    from luwu_rt.plan import format_size
+
+    lines = [f"gradient compression (--compress {c['request']}): per unit, bytes sent per rank per step and "
+             f"synchronisation time (encode + transfer + decode) against uncompressed"]
+    if not c["units"]:
+        return lines + ["  none: this strategy runs no compressible gradient collective"]
+    lines.append(f"  {'unit':<10} {'codec':<12} {'raw':>10} {'sent':>10} {'raw s':>10} {'with codec s':>13}")
+    for u in c["units"]:
+        lines.append(f"  {u['name']:<10} {u['codec']:<12} {format_size(u['raw_bytes']):>10} "
+                     f"{format_size(u['wire_bytes']):>10} {u['raw_s']:>10.3g} {u['sync_s']:>13.3g}")
+    saved = c["uncompressed_wire_bytes_per_step"] - c["wire_bytes_per_step"]
+    lines.append(f"  step: {format_size(c['wire_bytes_per_step'])} sent per rank instead of "
+                 f"{format_size(c['uncompressed_wire_bytes_per_step'])} ({format_size(max(saved, 0))} saved); "
+                 f"predicted {predicted_s:.3g} s instead of {c['uncompressed_step_s']:.3g} s "
+                 f"({c['saved_s']:+.3g} s saved)")
+    return lines

@@ -1,0 +1,57 @@
+"""``--compress`` (issue 23, item 4): a field of TrainConfig and so a flag of ``luwu train`` and ``luwu plan`` from
+the one flag table, checked where it is set, passed on by ``--nproc`` unchanged; under ``--strategy auto`` a
+codec keeps only the strategies that can compress; the JSON log carries bytes on the wire and codec time."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from luwu_rt.cli import plan, train
+from luwu_rt.cli.flags import config_argv, config_overrides
+from luwu_rt.config import from_mapping
+from luwu_rt.engine import TrainConfig
+from luwu_rt.engine.strategy import candidate_strategies
+
+
+def _parse(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="luwu", allow_abbrev=False)
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("module", [train, plan])
+def test_compress_is_a_flag_of_train_and_plan(module) -> None:
+    args = _parse(module, ["--compress", "topk:0.01", "--strategy", "zero1"])
+    config = from_mapping(TrainConfig, config_overrides(args))
+    assert config.compress == "topk:0.01"
+    assert "--compress=topk:0.01" in config_argv(args)  # the ranks of --nproc get it
+    assert TrainConfig().compress == "none"
+
+
+@pytest.mark.parametrize("value,error", [("zip", "--compress 'zip': unknown codec"),
+                                         ("topk:2", "0 < RATIO <= 1"), ("powersgd:x", "an integer >= 1")])
+def test_a_bad_codec_is_refused_naming_the_flag(value, error) -> None:
+    with pytest.raises(ValueError, match=error):
+        TrainConfig(compress=value)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "hsdp", "node"])
+def test_a_codec_for_a_strategy_that_cannot_compress_is_refused(strategy) -> None:
+    extra = {"node": "tcp://127.0.0.1:1"} if strategy == "node" else {}
+    with pytest.raises(ValueError, match=f"--compress onebit applies to --strategy ddp, zero1, zero2 .*not {strategy}"):
+        TrainConfig(compress="onebit", strategy=strategy, **extra)
+    TrainConfig(compress="auto", strategy=strategy, **extra)  # auto: nothing to choose there, not an error
+
+
+def test_auto_strategy_with_a_codec_keeps_the_strategies_that_compress() -> None:
+    def names(c: str) -> list[str]:
+        return [s.name for s in candidate_strategies("auto", world_size=4, shard_group_size=2, compress=c)]
+
+    assert names("onebit") == ["ddp", "zero1", "zero2"]
+    assert names("auto") == names("none") == ["ddp", "zero1", "zero2", "zero3", "hsdp"]
+
+
+def test_the_json_log_has_bytes_on_the_wire_and_codec_time() -> None:
+    assert {"wire_bytes", "encode_s", "decode_s"} <= set(train._LOGGED)
