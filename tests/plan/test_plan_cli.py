@@ -122,7 +122,8 @@ def test_auto_strategy_is_the_default_for_several_ranks_and_picks_what_train_pic
 
 
 def test_shard_group_size_and_its_alias(capsys):
-    base = ("--strategy", "hsdp", "--world-size", "8", "--host-mem", "1GiB")
+    base = ("--strategy", "hsdp", "--world-size", "8", "--host-mem", "1GiB",
+            "--nvme-size", "64GiB")  # not the disk's free space, which other processes change between the two plans
     outs = [run_json(capsys, *base, flag, "2")[1] for flag in ("--shard-group-size", "--group-size")]
     assert outs[0] == outs[1] and outs[0]["busy_s"].get("reduce_cross", 0) > 0
     default = run_json(capsys, *base)[1]  # min(8, N) = 8: one group, nothing to all-reduce across groups
