@@ -237,7 +237,18 @@ def _announce(store, rank: int, code: int) -> None:
     except Exception:
         pass  # the store cannot say; better to say it twice than not at all
     how = f"was killed by signal {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-    print(f"luwu: rank {rank} {how}", file=sys.stderr, flush=True)
+    _say(f"luwu: rank {rank} {how}")
+
+
+def _say(line: str) -> None:
+    """Writes one line to stderr in one write: ranks share the terminal, and print's separate writes of the
+    text and its newline let two ranks' lines run into one."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stderr without a descriptor (captured in-process)
+        print(line, file=sys.stderr, flush=True)
+        return
+    os.write(fd, (line + "\n").encode(errors="replace"))
 
 
 def run_rank(train: Callable[[], int], *, timeout_s: float, cleanup: Callable[[], None] = lambda: None) -> int:
@@ -267,9 +278,9 @@ def run_rank(train: Callable[[], int], *, timeout_s: float, cleanup: Callable[[]
             traceback.print_exc()  # a bug: keep its traceback, as luwu's main() would
         line = health.explain(exc)
         health.report_failure(exc, line)
-        print(f"luwu: rank {rank}: {line}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        _say(f"luwu: rank {rank}: {line}")
         cleanup()
         os._exit(2 if user else 1)  # as luwu's main() exits: 2 for what the user can fix
     health.stop()
