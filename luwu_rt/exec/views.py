@@ -16,6 +16,7 @@ import torch
 
 from luwu_rt.exec.executor import Views
 from luwu_rt.plan.ops import ShardId, ShardInfo
+from luwu_rt.plan.spec import SECOND_HALF
 
 __all__ = ["state_dtypes", "typed_views"]
 
@@ -23,10 +24,12 @@ __all__ = ["state_dtypes", "typed_views"]
 def state_dtypes(*, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The element type of every shard state kind of a plan: the compute copy and its workspaces
     (``param``, ``param_full``, ``param_slice``) in ``param_dtype``, the gradient and its workspaces in
-    ``grad_dtype``, the optimizer state in fp32 and a squared norm in float64 (as the planner sized them)."""
+    ``grad_dtype``, the optimizer state (both halves of a double-buffered one) in fp32 and a squared norm in
+    float64 (as the planner sized them)."""
     return {"param": param_dtype, "param_full": param_dtype, "param_slice": param_dtype,
             "grad": grad_dtype, "grad_full": grad_dtype, "grad_slice": grad_dtype,
-            "master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32, "norm": torch.float64}
+            "master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32, "norm": torch.float64,
+            **{kind: torch.float32 for kind in SECOND_HALF.values()}}
 
 
 def typed_views(views: Views, shards: Mapping[ShardId, ShardInfo], dtypes: Mapping[str, torch.dtype], *,

@@ -39,6 +39,17 @@ this rank's reduce-scattered part of the full gradients it keeps),
 the all-gather) and ``norm`` (the squared gradient norm of one unit, and of the
 whole step at unit ``GLOBAL_UNIT``).
 
+[Note: taking over a copy]
+An op may list input copies in ``consumes``: it writes its output of the same
+tier and slot into their very bytes, so the input copy ceases to exist as the
+op starts writing, without a ``Free``. A double-buffered update does this
+([Note: speculative updates] in sequence.py): the staging copy of the current
+half, loaded from NVMe, is updated in place and becomes the staging copy of
+the other half, which is then written to its own home; the current half's home
+stays untouched. A consumed copy is never a home copy, never the only
+up-to-date copy of its shard, and the op must wait for every other op that
+uses it (``validate.py`` checks all three).
+
 Data moves only between neighbouring tiers. ``Load`` moves toward the device
 (nvme -> host, host -> device), ``Store`` away from it; which one persists dirty
 data depends on the state's home tier, not on the op's name.
@@ -118,6 +129,9 @@ class Op:
     """Which of ``QUEUES`` runs it; ops on one queue run one at a time."""
     inputs: tuple[Access, ...] = ()
     outputs: tuple[Access, ...] = ()
+    consumes: tuple[Access, ...] = ()
+    """Input copies whose bytes the op takes over for the output copy at the same slot: once it starts writing,
+    they are gone, with no ``Free`` of their own ([Note: taking over a copy])."""
 
     @property
     def kind(self) -> str:
@@ -324,11 +338,11 @@ def _label(op: Op) -> str:
 
 def format_ops(plan: SwapPlan, *, start: int = 0, stop: int | None = None,
                times: Sequence[tuple[float, float]] | None = None) -> str:
-    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads -> writes, deps; with
+    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads (``*``: consumed) -> writes, deps; with
     ``times`` (per op ``(start_s, end_s)``, e.g. ``cost.op_times``) also when it runs."""
     lines = []
     for i, op in enumerate(plan.ops[start:stop], start):
-        reads = " ".join(_access(a) for a in op.inputs)
+        reads = " ".join(_access(a) + ("*" if a in op.consumes else "") for a in op.inputs)
         writes = " ".join(_access(a) for a in op.outputs)
         moves = f" {reads} -> {writes}" if reads or writes else ""
         when = f"{times[i][0] * 1e3:10.3f} {times[i][1] * 1e3:10.3f} " if times is not None else ""

@@ -163,11 +163,37 @@ class _Replay:
             versions.append(copy.version)
         if isinstance(op, (Load, Store)):
             self.check_move(op)
+        if op.consumes:
+            self.consume(op)
         for acc in op.inputs:
-            self.copies[(acc.shard, acc.tier)].readers.append(i)
+            if acc not in op.consumes:
+                self.copies[(acc.shard, acc.tier)].readers.append(i)
         for acc in op.outputs:
             self.write(acc, versions[0] if isinstance(op, (Load, Store)) else self.latest[acc.shard] + 1)
             self.copies[(acc.shard, acc.tier)].in_flight = i if isinstance(op, Collective) else None
+
+    def consume(self, op: Op) -> None:
+        """The op takes over the bytes of its consumed inputs for outputs at the same slots ([Note: taking over
+        a copy] in ops.py): each goes without a ``Free``, once nothing else may use it."""
+        for acc in op.consumes:
+            if acc not in op.inputs or not any(o.tier == acc.tier and o.slot == acc.slot and
+                                               self.plan.shards[o.shard].nbytes == self.plan.shards[acc.shard].nbytes
+                                               for o in op.outputs):
+                raise self.fail(f"consumes {acc.shard} on {acc.tier}, which is not one of its inputs with an output of "
+                                f"the same size in its bytes")
+            if acc.tier == self.plan.homes[acc.shard.state]:
+                raise self.fail(f"consumes the home copy of {acc.shard} on {acc.tier}")
+            copy = self.copies[(acc.shard, acc.tier)]
+            racing = [r for r in copy.readers + [copy.writer] if not self.before(r)]
+            if racing:
+                raise self.fail(f"consumes {acc.shard} on {acc.tier} while op(s) {racing} may still use it")
+            others = [t for (s, t), c in self._copies_of(acc.shard) if t != acc.tier and c.version == copy.version]
+            if not others:
+                raise self.fail(f"consumes the only up-to-date copy of {acc.shard} (on {acc.tier})")
+            self.copies.pop((acc.shard, acc.tier))
+            self.used[acc.tier] -= self.plan.shards[acc.shard].nbytes
+            if acc.tier != "nvme":
+                self.live[acc.tier].pop(acc.slot)  # the output takes these bytes now: no Free to wait for
 
     def check_collective(self, i: int, op: Op) -> None:
         """A start has what its kind needs and runs on the queue of its group; a wait matches one start."""
