@@ -135,6 +135,9 @@ class Engine:
         # One set of queue threads and streams serves both plans: a unit computes on the same
         # long-lived thread in training and evaluation ([Note: persistent queue threads]).
         self.queues = Queues(device=self.device)
+        # A step's tail of write-backs may still run when train_step returns ([Note: steady state] in
+        # plan/steady.py): whatever reads or writes the store between steps waits for it first.
+        self.store.settle = self.queues.drain
         self.executor = Executor(self.plan, store=self.store, queues=self.queues, handlers=handlers)
         self.eval_executor = Executor(self.eval_plan, store=self.store, queues=self.queues,
                                       handlers={k: v for k, v in handlers.items() if k in ("Compute", "Gather")})
@@ -166,8 +169,15 @@ class Engine:
         """Joins the queue threads, releases the store's IO engine and removes the NVMe directory this engine
         created ([Note: missing directories] in cli/dirs.py); idempotent. The engine cannot run steps
         afterwards."""
-        self.optimizer.close()  # a node's: says BYE
-        self.queues.close()
+        try:
+            self.queues.drain()  # the last step's tail: its failure is this run's
+        finally:
+            self.optimizer.close()  # a node's: says BYE
+            self.queues.close()
+            self._release()
+
+    def _release(self) -> None:
+        """The store's files and IO engine, the NVMe directory this engine made, the checkpoint locks."""
         self.store.close()
         self._made_dirs()  # after the store closed the tier's files; a finalizer runs once
         for lock in getattr(self, "_dir_locks", {}).values():  # checkpoint directories save() locked
@@ -383,8 +393,8 @@ class Engine:
         self.compute.begin(batches, step=step)  # [Note: dropout is drawn by step]
         self.optimizer.begin_step(step)
         start = time.perf_counter()
-        if self.speculation is None:
-            self.last_spans = self.executor.run()
+        if self.speculation is None:  # the step's tail runs on beside the next step ([Note: steady state])
+            self.last_spans = self.executor.run(pipeline=True)
         else:  # a redo sets the step up anew and runs it again ([Note: when to speculate] in exec/speculate.py)
             self.last_spans = self.speculation.run(
                 lambda: (self.compute.begin(batches, step=step), self.optimizer.begin_step(step)))

@@ -49,6 +49,8 @@ class SpeculativeRuns:
         assert store.double_buffered and len(speculate) == len(wait) == len(restore) == 2
         self.step, self.store = step, store
         self.speculate, self.wait, self.restore = tuple(speculate), tuple(wait), tuple(restore)
+        for a, b in (self.speculate, self.wait):  # each half's period is followed by the other's ([Note: steady state])
+            a.partner, b.partner = b, a
         self.counts = dict.fromkeys(("commit", "redo", "skip", "wait"), 0)
         """Steps run so far by how they ended: committed, redone, skipped after a speculative run, or waited."""
         self.last = ""
@@ -60,15 +62,15 @@ class SpeculativeRuns:
         half = self.store.half
         if not self.step.speculates():
             self.last = "wait"
-            spans = self.wait[half].run()
+            spans = self.wait[half].run(pipeline=True)
         else:
-            spans = self.speculate[half].run()
+            spans = self.speculate[half].run(pipeline=True)
             self.last = self.step.verdict()
             if self.last != "commit":
                 spans += self.restore[half].run()
             if self.last == "redo":
                 again()
-                spans += self.wait[half].run()
+                spans += self.wait[half].run(pipeline=True)
         self.counts[self.last] += 1
         return spans
 

@@ -56,7 +56,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -375,6 +375,8 @@ class Queues:
         self._threads: dict[str, threading.Thread] = {}
         self._streams: dict[str, Stream] = {}
         self._closed = False
+        self._pending: Any = None
+        """A run whose tail may still be running (``executor.Pending``): [Note: steady state] in plan/steady.py."""
         # The finaliser gets the FIFOs, not ``self``: queues nobody closed still end their threads.
         self._all_jobs: list[queue.SimpleQueue] = []
         self._all_streams: list[Stream] = []
@@ -427,6 +429,23 @@ class Queues:
         """Held by a run: the queues serve one plan run at a time."""
         return self._run_lock
 
+    def set_pending(self, pending: Any) -> None:
+        """A run that returned with its tail still running ([Note: steady state] in plan/steady.py)."""
+        assert self._pending is None
+        self._pending = pending
+
+    def take_pending(self) -> Any:
+        """The run whose tail may still be running (``None``: none); the caller waits for it or runs beside it."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def drain(self) -> None:
+        """Waits until no run's tail is running any more; re-raises the tail's failure. What reads or writes the
+        store outside a run calls it first."""
+        pending = self.take_pending()
+        if pending is not None:
+            pending.wait()
+
     def threads(self) -> dict[str, threading.Thread]:
         """The live queue threads by queue (deferred streams' workers not included)."""
         return dict(self._threads)
@@ -439,6 +458,12 @@ class Queues:
                 return
             self._closed = True
         assert threading.current_thread() not in self._threads.values(), "a queue thread cannot close its queues"
+        pending = self.take_pending()
+        if pending is not None:  # its tail finishes on these threads first; a failure of it is not this call's
+            try:
+                pending.wait()
+            except Exception:  # noqa: BLE001 - raised by the next run or drain had there been one; closing goes on
+                pass
         for jobs in self._jobs.values():
             jobs.put(None)
         for thread in self._threads.values():

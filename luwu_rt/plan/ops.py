@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
 
-from .spec import Budgets, Strategy
+from .spec import PERSISTENT_KINDS, Budgets, Strategy
 
 __all__ = [
     "ShardId", "ShardInfo", "Access", "Op", "Load", "Store", "Free", "Compute", "OptimStep", "GradNorm",
@@ -310,10 +310,22 @@ class SwapPlan:
     """Arena slot of the home copy of each shard that exists before the first op (None on NVMe):
     every persistent shard, whose home copy stays there for the whole step and after it, and in
     an optimizer-only plan also the gradients."""
+    tail: frozenset[int] = frozenset()
+    """Ops a run may leave running when it returns: write-backs and frees no other op waits for ([Note: steady
+    state] in steady.py)."""
+    wrap_deps: tuple[tuple[int, ...], ...] = ()
+    """Per op, the ops of the previous period it waits for when it runs while that period's tail still does
+    ([Note: steady state] in steady.py); empty: a plan of one step, run only after the previous one ended."""
 
     def __post_init__(self) -> None:
         for name in ("shards", "homes", "arena_bytes", "peak_bytes", "home_slots", "comm_groups"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    @property
+    def persistent_kinds(self) -> frozenset[str]:
+        """State kinds whose home copies outlive the step: the persistent ones, and what else exists before the
+        first op (an optimizer-only plan's gradients, given anew before every step)."""
+        return PERSISTENT_KINDS | {s.state for s in self.home_slots}
 
     def count(self, kind: str) -> int:
         """Number of ops of one kind, e.g. ``plan.count("Load")``."""

@@ -49,6 +49,7 @@ from .policy import POLICIES, Policy, as_policy
 from .sequence import Step, build_layout, build_restore_steps, build_steps, comm_groups, home_of
 from .sizes import format_size
 from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
+from .steady import steady
 
 __all__ = ["plan_step", "plan_restore", "walk_steps", "lower_bounds", "effective_placement", "OutOfBudget", "POLICIES"]
 
@@ -356,7 +357,7 @@ class _Walk:
     def _dead(self, shard: ShardId, pos: int) -> bool:
         """A transient shard (gradients, workspaces) whose value nothing reads any more: no later access,
         or only one that overwrites it (a workspace gathered again for the next use)."""
-        if shard.state in PERSISTENT_KINDS:
+        if shard.state in self.initial_kinds:
             return False
         nxt = self._next_access(shard, pos)
         return nxt is None or nxt[2] == "w"
@@ -380,7 +381,7 @@ class _Walk:
         for shard, copies in self.copies.items():
             for tier in [t for t in copies if t != self._home(shard)]:
                 self.free_copy(shard, tier)
-            assert shard.state not in PERSISTENT_KINDS or copies[self._home(shard)].version == self.latest[shard]
+            assert shard.state not in self.initial_kinds or copies[self._home(shard)].version == self.latest[shard]
 
 
 class OutOfBudget(ValueError):
@@ -400,15 +401,16 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     placement = effective_placement(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
-    # Only persistent kinds hold their home bytes all step long; an optimizer-only step's gradients start at
-    # home too, but each dies after its unit's update, so they count where a step uses them.
-    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in PERSISTENT_KINDS and home_of(s.state, placement) == t)
+    # Persistent kinds hold their home bytes all step long, and so do an optimizer-only step's gradients, given
+    # anew before every step ([Note: steady state] in steady.py).
+    kept = model.initial_kinds
+    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in kept and home_of(s.state, placement) == t)
             for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:
         for tier in TIERS:
             nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier) if n.into is None  # shares bytes
-                         and not (n.shard.state in PERSISTENT_KINDS and home_of(n.shard.state, placement) == tier))
+                         and not (n.shard.state in kept and home_of(n.shard.state, placement) == tier))
             working[tier] = max(working[tier], nbytes)
     # Params and grads travel between the device and NVMe through a host staging copy.
     staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
@@ -451,11 +453,13 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
                          f"raise it or lower the batch size / sequence length")
     layout = build_layout(model, strategy)
     try:
-        return walk_steps(build_steps(model, strategy, placement, layout), layout, model=model, budgets=budgets,
+        plan = walk_steps(build_steps(model, strategy, placement, layout), layout, model=model, budgets=budgets,
                           placement=placement, strategy=strategy, policy=policy,
                           comm_groups=comm_groups(model, strategy))
     except OutOfBudget as exc:  # the same exception, now saying what the tier needs
         raise OutOfBudget(exc.tier, _budget_message(exc.tier, model, budgets, placement, strategy)) from None
+    # A training step is one period of a pipeline ([Note: steady state] in steady.py); evaluation runs alone.
+    return plan if model.forward_only else steady(plan)
 
 
 def plan_restore(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),

@@ -16,7 +16,7 @@ checkpoints, exports and tests read the state as it is whichever half holds it.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -71,6 +71,9 @@ class TieredStore:
         """Whether the optimizer state has two halves ([Note: speculative updates] in plan/sequence.py)."""
         self.half = 0
         """The half of a double-buffered optimizer state that holds its current version."""
+        self.settle: Callable[[], None] | None = None
+        """Called before a whole-unit read or write: waits until no run is still writing the tiers (the tail of a
+        step in a pipeline, [Note: steady state] in plan/steady.py)."""
         self._io = None
         self._lock = None  # of the NVMe directory, when create() made the tier
         self._scratch: Path | None = None  # the tier's directory, removed by close() (create(scratch=True))
@@ -150,10 +153,15 @@ class TieredStore:
             raise KeyError(f"the store has no {state!r} shards for unit {unit}")
         return shards
 
+    def _settled(self) -> None:
+        if self.settle is not None:
+            self.settle()
+
     def write_state(self, unit: int, state: str, values: torch.Tensor) -> None:
         """Sets the home copy of a unit's whole flat buffer of ``state`` (a persistent kind, or the
         gradients of an optimizer-only plan; the current half of a double-buffered one). Call ``flush()`` after
         the last."""
+        self._settled()
         for sid in self._unit_shards(unit, state):
             info, start = self.shards[sid], self.offsets[sid]
             part = values[start : start + info.numel]
@@ -167,6 +175,7 @@ class TieredStore:
     def read_state(self, unit: int, state: str, out: torch.Tensor) -> torch.Tensor:
         """Copies the home copy of a unit's flat buffer of ``state`` (the current half of a double-buffered one)
         into ``out``; returns ``out``."""
+        self._settled()
         for sid in self._unit_shards(unit, state):
             info, start = self.shards[sid], self.offsets[sid]
             if self.homes[sid.state] == "nvme":
@@ -179,6 +188,7 @@ class TieredStore:
 
     def flush(self) -> None:
         """Makes every completed NVMe write durable (a no-op without an NVMe tier)."""
+        self._settled()
         if self.nvme is not None:
             self.nvme.flush()
 
