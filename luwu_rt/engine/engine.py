@@ -59,8 +59,7 @@ from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk
-from luwu_rt.plan.halves import mirror
-from luwu_rt.plan.planner import plan_restore
+from luwu_rt.plan.search import plan_speculative
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -244,26 +243,13 @@ class Engine:
             self._made_dirs()  # the plan keeps nothing on NVMe: no directory of ours in the way while it runs
 
     def _double_buffered(self, budgets: Budgets) -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
-        """The plans of a double-buffered optimizer state, by half ([Note: speculative updates] in
-        plan/sequence.py): ``speculate``, ``wait`` and ``restore`` ([Note: when to speculate] in
-        exec/speculate.py). Only when the step needs its norm before the updates (exact clipping, fp16) and the
-        optimizer state lives on NVMe in this process; ``None`` otherwise, or when the second half does not fit
-        (the updates then wait for the norm, as the chosen plan does)."""
-        model = self.model_spec
-        if not model.optimizer_waits_for_backward or self.placement.optimizer != "nvme":
-            return None
-        model = replace(model, double_buffer=True)
-        where = dict(budgets=budgets, placement=self.placement, strategy=self.strategy)
-        try:
-            plans = {"speculate": plan_step(replace(model, optimizer_waits_for_backward=False), **where),
-                     "wait": plan_step(model, **where), "restore": plan_restore(model, **where)}
-        except ValueError:  # no room for the second half, or not a process that holds the optimizer state
-            return None
-        halves = {}
-        for name, plan in plans.items():
-            halves[name] = (plan, mirror(plan))
-            for p in halves[name]:
-                validate(p)
+        """The plans of a double-buffered optimizer state, by half (``plan_speculative``), each validated; ``None``
+        when the run's updates need not wait for the norm, its optimizer state is not on NVMe in this process, or
+        the second half does not fit."""
+        halves = plan_speculative(self.model_spec, budgets=budgets, placement=self.placement, strategy=self.strategy)
+        for pair in (halves or {}).values():
+            for plan in pair:
+                validate(plan)
         return halves
 
     def _plans(self) -> list[SwapPlan]:

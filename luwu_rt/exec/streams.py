@@ -429,6 +429,11 @@ class Queues:
         """Held by a run: the queues serve one plan run at a time."""
         return self._run_lock
 
+    @property
+    def pending(self) -> Any:
+        """The run whose tail may still be running, or ``None``."""
+        return self._pending
+
     def set_pending(self, pending: Any) -> None:
         """A run that returned with its tail still running ([Note: steady state] in plan/steady.py)."""
         assert self._pending is None
