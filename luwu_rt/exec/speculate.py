@@ -25,7 +25,9 @@ that turned the 47 redos into 22 there (and 47 steps that waited instead).
 ``always`` and ``never`` are for tests and measurements.
 
 A skipped step (fp16, a norm that is not finite) needs no second run: the
-parameters are put back and nothing else changes.
+parameters are put back and nothing else changes. Where nothing reads the
+parameters between steps (the optimizer node, which serves them), there is
+no restore plan: a skipped step runs again too, waiting, and skips there.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ __all__ = ["SpeculativeRuns"]
 
 class SpeculativeRuns:
     """Runs one step of a double-buffered plan ([Note: when to speculate]). Each of ``speculate``, ``wait`` and
-    ``restore`` holds the executors of the two halves' plans, by half; ``store.half`` says which runs."""
+    ``restore`` holds the executors of the two halves' plans, by half; ``store.half`` says which runs. Without
+    ``restore`` (nothing reads the parameters between steps) a skipped step runs again, waiting."""
 
     def __init__(self, step: OptimizerStep, store: TieredStore, *, speculate: Sequence[Executor],
-                 wait: Sequence[Executor], restore: Sequence[Executor]) -> None:
-        assert store.double_buffered and len(speculate) == len(wait) == len(restore) == 2
+                 wait: Sequence[Executor], restore: Sequence[Executor] = ()) -> None:
+        assert store.double_buffered and len(speculate) == len(wait) == 2 and len(restore) in (0, 2)
         self.step, self.store = step, store
         self.speculate, self.wait, self.restore = tuple(speculate), tuple(wait), tuple(restore)
         for a, b in (self.speculate, self.wait):  # each half's period is followed by the other's ([Note: steady state])
@@ -66,9 +69,9 @@ class SpeculativeRuns:
         else:
             spans = self.speculate[half].run(pipeline=True)
             self.last = self.step.verdict()
-            if self.last != "commit":
+            if self.last != "commit" and self.restore:
                 spans += self.restore[half].run()
-            if self.last == "redo":
+            if self.last == "redo" or (self.last == "skip" and not self.restore):
                 again()
                 spans += self.wait[half].run(pipeline=True)
         self.counts[self.last] += 1

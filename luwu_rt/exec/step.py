@@ -85,6 +85,9 @@ class OptimizerStep:
     ([Note: the schedule of a resumed run] in optim/schedule.py); ``loss_scale``: what the gradients are scaled by (fp16);
     ``adam_step``: updates applied before the first step run here (a resumed run's)."""
 
+    SPECULATION = "adaptive"
+    """The default of ``speculation`` ([Note: when to speculate] in speculate.py)."""
+
     def __init__(self, shards: Mapping[ShardId, ShardInfo], *, optim: OptimConfig, total_steps: int,
                  loss_scale: float, param_dtype: torch.dtype, grad_dtype: torch.dtype, adam_step: int = 0) -> None:
         self.optim = optim
@@ -99,7 +102,7 @@ class OptimizerStep:
         """The step being run, 1-based (the schedule's position)."""
         self._skip: bool | None = None
         """Whether this step skips its update; ``None`` until its first ``OptimStep`` read the norm."""
-        self.speculation = "adaptive"
+        self.speculation = self.SPECULATION
         """When a double-buffered run updates speculatively ([Note: when to speculate]): ``adaptive``, ``always``
         or ``never``."""
         self._clipped = False

@@ -35,7 +35,8 @@ from .policy import Policy, as_policy
 from .sizes import flag_size, format_size, parse_size
 from .spec import TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
-__all__ = ["DoesNotFit", "PlanResult", "Remedy", "fitting_budgets", "plan_auto", "plan_node_auto", "plan_speculative"]
+__all__ = ["DoesNotFit", "PlanResult", "Remedy", "fitting_budgets", "plan_auto", "plan_node_auto", "plan_node_speculative",
+           "plan_speculative"]
 
 _FIELDS = ("params", "optimizer", "grads")
 
@@ -265,6 +266,24 @@ def plan_speculative(model: ModelSpec, *, budgets: Budgets, placement: Placement
         plans = {"speculate": plan_step(dataclasses.replace(model, optimizer_waits_for_backward=False), **where),
                  "wait": plan_step(model, **where), "restore": plan_restore(model, **where)}
     except ValueError:  # no room for the second half, or not a process that holds the optimizer state
+        return None
+    return {name: (plan, mirror(plan)) for name, plan in plans.items()}
+
+
+def plan_node_speculative(model: ModelSpec, *, budgets: Budgets, placement: Placement, num_workers: int,
+                          shard_index: int = 0, num_shards: int = 1,
+                          policy: str | Policy = "belady") -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
+    """``plan_speculative`` for an optimizer node process (``plan_node``): its ``speculate`` and ``wait`` plans, each
+    with its mirror; a node has no restore plan (nothing reads its parameters but the serves)."""
+    if not model.optimizer_waits_for_backward or placement.optimizer != "nvme":
+        return None
+    model = dataclasses.replace(model, double_buffer=True)
+    where = dict(budgets=budgets, placement=placement, num_workers=num_workers, shard_index=shard_index,
+                 num_shards=num_shards, policy=policy)
+    try:
+        plans = {"speculate": plan_node(dataclasses.replace(model, optimizer_waits_for_backward=False), **where),
+                 "wait": plan_node(model, **where)}
+    except ValueError:  # no room for the second half
         return None
     return {name: (plan, mirror(plan)) for name, plan in plans.items()}
 
