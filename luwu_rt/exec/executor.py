@@ -169,20 +169,24 @@ class Executor:
 
     # -- an op's work, on its stream -------------------------------------------------------------
 
-    def _move(self, op: Load | Store) -> None:
+    def _move(self, op: Load | Store) -> Callable[[], None] | None:
+        """Starts the move; returns the completion of a file transfer (its stream waits for it: [Note: IO in
+        flight] in streams.py)."""
         src, dst = op.inputs[0], op.outputs[0]
         info, nvme, view = self.plan.shards[src.shard], self.store.nvme, self.store.view
         if src.tier == "nvme":
-            nvme.wait(nvme.submit_read(src.shard.unit, src.shard.state, first_chunk=info.first_chunk, buffer=view(dst)))
-        elif dst.tier == "nvme":
-            nvme.wait(nvme.submit_write(dst.shard.unit, dst.shard.state, first_chunk=info.first_chunk, buffer=view(src)))
-        else:  # asynchronous on a CUDA stream; the op's event says when the bytes are there
-            view(dst).copy_(view(src), non_blocking=True)
+            return partial(nvme.wait, nvme.submit_read(src.shard.unit, src.shard.state, first_chunk=info.first_chunk,
+                                                       buffer=view(dst)))
+        if dst.tier == "nvme":
+            return partial(nvme.wait, nvme.submit_write(dst.shard.unit, dst.shard.state, first_chunk=info.first_chunk,
+                                                        buffer=view(src)))
+        view(dst).copy_(view(src), non_blocking=True)  # asynchronous on a CUDA stream: its event says when it is done
+        return None
 
-    def _run_op(self, run: _Run, i: int, op: Op) -> None:
+    def _run_op(self, run: _Run, i: int, op: Op) -> Callable[[], None] | None:
         if isinstance(op, (Load, Store)):
-            self._move(op)
-        elif isinstance(op, Wait):
+            return self._move(op)
+        if isinstance(op, Wait):
             run.handles.pop(op.start).wait()
         else:
             views = {a.shard: self.store.view(a) for a in op.inputs if a.tier != "nvme"}
@@ -191,18 +195,32 @@ class Executor:
             if isinstance(op, Collective):
                 assert handle is not None, f"the {op.kind} handler returned no handle to wait for"
                 run.handles[i] = handle
+        return None
 
-    def _work(self, run: _Run, i: int) -> None:
-        """Op ``i``'s work as its stream runs it, timed inside it."""
+    def _work(self, run: _Run, i: int) -> Callable[[], None] | None:
+        """Op ``i``'s work as its stream runs it, timed inside it; for a file transfer, the completion its stream
+        waits for, which ends its time."""
         if run.failed.is_set():
-            return  # another op failed: skip the work not yet started ([Note: failures in a run])
+            return None  # another op failed: skip the work not yet started ([Note: failures in a run])
         start = time.perf_counter()
         try:
-            self._run_op(run, i, self.plan.ops[i])
+            done = self._run_op(run, i, self.plan.ops[i])
         except BaseException as exc:
             run.fail(i, exc)
             raise  # fails the op's event, and with it the ops that wait on it
-        run.times[i] = (start, time.perf_counter())
+        if done is None:
+            run.times[i] = (start, time.perf_counter())
+            return None
+
+        def complete() -> None:
+            try:
+                done()
+            except BaseException as exc:
+                run.fail(i, exc)
+                raise
+            run.times[i] = (start, time.perf_counter())
+
+        return complete
 
     # -- issuing, on the queue threads -----------------------------------------------------------
 
@@ -234,7 +252,7 @@ class Executor:
             event = self._event(run, d)
             if event is None or run.failed.is_set():
                 return False
-            if ops[d].queue != op.queue:  # one queue's stream keeps order
+            if ops[d].queue != op.queue or not stream.ordered:  # an ordered stream keeps its queue's order
                 stream.wait(event)
         previous = run.previous
         if previous is not None:  # the previous period's ops it waits for ([Note: steady state])
