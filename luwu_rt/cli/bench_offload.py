@@ -161,7 +161,7 @@ def _measure(args: argparse.Namespace, *, model, plan, num_params: int, chunk_by
     try:
         disk, profile = _measure_profile(workdir, state_bytes=12 * num_params, block_bytes=args.block_kb << 10,
                                          queue_depth=args.queue_depth)
-        cost = estimate(plan, profile)
+        cost = estimate(plan, profile, steady=True)
         with IOEngine(block_bytes=args.block_kb << 10, queue_depth=args.queue_depth) as engine:
             nvme = NvmeTier(workdir, regions=nvme_regions(plan), chunk_bytes=chunk_bytes, engine=engine)
             arenas = {t: Arena(n, tier=t) for t, n in plan.arena_bytes.items()}
@@ -176,12 +176,16 @@ def _measure(args: argparse.Namespace, *, model, plan, num_params: int, chunk_by
                 store.write_state(u, "grad", torch.full((unit.num_params,), 1e-3 * (u + 1)))
                 for state in ("exp_avg", "exp_avg_sq"):
                     store.write_state(u, state, torch.zeros(unit.num_params))
+            # Steps as training runs them: each beside the previous one's tail of write-backs ([Note: steady
+            # state] in plan/steady.py). A step's time is from its start to its return, when all but its tail is
+            # done; the first starts cold, the others beside a tail: their median is the step in steady state.
             times = []
             for step in range(1, args.steps + 1):
                 handler.step = step
                 start = time.perf_counter()
-                spans = ex.run()
+                spans = ex.run(pipeline=True)
                 times.append(time.perf_counter() - start)
+            ex.queues.drain()
             # The same plan with every op run one after another: what the overlap buys.
             handler.step = args.steps + 1
             start = time.perf_counter()
@@ -195,7 +199,7 @@ def _measure(args: argparse.Namespace, *, model, plan, num_params: int, chunk_by
     nvme_io = cost.io_bytes["nvme"]
     io_bound_s = _raw_io_seconds(args.nvme_dir, read_bytes=nvme_io["read"], write_bytes=nvme_io["write"],
                                  block_bytes=args.block_kb << 10, queue_depth=args.queue_depth)
-    step_s = statistics.median(times)
+    step_s = statistics.median(times[1:] or times)  # in steady state: the first step starts cold
     result = {
         "params": num_params, "units": len(model.units), "chunk_bytes": chunk_bytes,
         "step_s": step_s, "step_times_s": times, "io_bound_s": io_bound_s, "predicted_s": cost.predicted_step_s,
@@ -213,7 +217,8 @@ def _measure(args: argparse.Namespace, *, model, plan, num_params: int, chunk_by
         print(f"disk: read {disk.read_gbps:.2f} GB/s, write {disk.write_gbps:.2f} GB/s; "
               f"moved {nvme_io['read'] / 1e9:.2f} GB in, {nvme_io['write'] / 1e9:.2f} GB out per step "
               f"(raw, at once: {io_bound_s:.3f} s)")
-        print(f"step {step_s:.3f} s (median of {len(times)}), IO lower bound {io_bound_s:.3f} s "
+        print(f"step {step_s:.3f} s (median of {max(len(times) - 1, 1)} in steady state; the first, cold: "
+              f"{times[0]:.3f} s), IO lower bound {io_bound_s:.3f} s "
               f"-> {result['ratio_to_io_bound']:.2f}x; planner predicted {cost.predicted_step_s:.3f} s "
               f"(bottleneck {cost.bottleneck}); the same plan serialised: {serial_s:.3f} s")
     return 0

@@ -16,6 +16,7 @@ run ``luwu train`` makes with those flags. ``--world-size`` and the budgets' ove
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -216,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
     from luwu_rt.engine.workload import config_model_spec
     from luwu_rt.plan import DoesNotFit, Placement, estimate, plan_auto, validate
+    from luwu_rt.plan.search import plan_speculative
 
     for flag, value in (("--chaos-seed", args.chaos_seed), ("--trace", args.trace)):
         if value is not None and not args.simulate:
@@ -263,8 +265,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     validate(result.plan)  # never report a plan that breaks an invariant
     node_plan = None if node is None else node.plan
-    cost = estimate(result.plan, profile, node=node_plan) if node_plan is not None else result.cost
-    report = {**head, "fits": True, **_describe(result, cost)}
+    halves = None if node is not None else plan_speculative(model, budgets=budgets, placement=result.placement,
+                                                              strategy=strategy, policy=policy)
+    if halves is not None:  # the plan luwu train runs: updates speculate ([Note: speculative updates])
+        result = dataclasses.replace(result, plan=halves["speculate"][0])
+        validate(result.plan)
+    # A step in steady state, beside the previous one's tail, as luwu train runs them ([Note: steady state]).
+    cost = estimate(result.plan, profile, node=node_plan, steady=node_plan is None)
+    report = {**head, "fits": True, **_describe(result, cost), "updates": _updates(model, halves)}
     if config.compress != "none":  # each unit's codec, and what it saves ([Note: selective compression])
         from luwu_rt.cli.plan_compress import describe_compression
 
@@ -354,6 +362,15 @@ def _states(plan) -> dict:
     return {s: {"tier": plan.homes[s], "bytes": b} for s, b in state_bytes(plan).items()}
 
 
+def _updates(model, halves) -> str:
+    """When each unit's update runs: what the run's clipping and the optimizer state's home allow."""
+    if halves is not None:
+        return "speculative: as gradients are final, into the other half of the optimizer state on NVMe"
+    if model.optimizer_waits_for_backward:
+        return "after the step's gradient norm (exact clipping or fp16)"
+    return "as gradients are final"
+
+
 def _placement(p) -> dict:
     return {"params": p.params, "optimizer": p.optimizer, "grads": p.grads}
 
@@ -439,6 +456,7 @@ def _text(head: dict, r: dict) -> str:
     lines.append("")
     lines.append(f"predicted step time {r['predicted_step_s']:.3g} s, bottleneck {r['bottleneck']} "
                  f"(busy: {_busy(r['busy_s'])})")
+    lines.append(f"updates: {r['updates']}")
     lines.append(f"{r['num_ops']} ops, eviction {r['policy']}; device reserve for activations "
                  f"{format_size(head['activation_bytes'])} (in the device peak)")
     if "compression" in r:

@@ -53,12 +53,14 @@ from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_chec
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
 from luwu_rt.engine.workload import config_model_spec, kept_units
 from luwu_rt.kernels.dtypes import torch_dtype
-from luwu_rt.exec import Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, busy_by_queue
+from luwu_rt.exec import (Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, SpeculativeRuns,
+                          busy_by_queue)
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
-from luwu_rt.plan import Budgets, ModelSpec, Placement, plan_step, validate
+from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk, wire_bytes
+from luwu_rt.plan.search import plan_speculative
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -126,7 +128,7 @@ class Engine:
                                        loss_scale=self.loss_scale / (config.grad_accum * self.world.size),
                                        keep_graph=self.keep_graph),
                                    device_arena=device_arena.buffer if device_arena is not None else None,
-                                   at_risk=params_at_risk(self.plan),
+                                   at_risk=frozenset().union(*map(params_at_risk, self._plans())),
                                    step_rng=StepRng(seed=config.seed, rank=self.world.rank))
         self.optimizer: OptimizerPlace = self._place_optimizer(grad_dtype)
         """Where the optimizer runs ([Note: where the optimizer runs] in exec/place.py)."""
@@ -134,9 +136,21 @@ class Engine:
         # One set of queue threads and streams serves both plans: a unit computes on the same
         # long-lived thread in training and evaluation ([Note: persistent queue threads]).
         self.queues = Queues(device=self.device)
+        # A step's tail of write-backs may still run when train_step returns ([Note: steady state] in
+        # plan/steady.py): whatever reads or writes the store between steps waits for it first.
+        self.store.settle = self.queues.drain
         self.executor = Executor(self.plan, store=self.store, queues=self.queues, handlers=handlers)
         self.eval_executor = Executor(self.eval_plan, store=self.store, queues=self.queues,
                                       handlers={k: v for k, v in handlers.items() if k in ("Compute", "Gather")})
+        self.speculation: SpeculativeRuns | None = None
+        """The step's plans by half and how they ran, with a double-buffered optimizer state."""
+        if self.halves is not None:
+            assert isinstance(self.optimizer, LocalOptimizer)
+            restore = {**handlers, "OptimStep": self.optimizer.step.restore}
+            runs = {name: [self.executor if p is self.plan else Executor(
+                        p, store=self.store, queues=self.queues, handlers=restore if name == "restore" else handlers)
+                           for p in pair] for name, pair in self.halves.items()}
+            self.speculation = SpeculativeRuns(self.optimizer.step, self.store, **runs)
         self.step = 0
         """Optimizer steps taken (the step number of the last completed ``train_step``)."""
         self.run_id: str | None = None
@@ -156,8 +170,15 @@ class Engine:
         """Joins the queue threads, releases the store's IO engine and removes the NVMe directory this engine
         created ([Note: missing directories] in cli/dirs.py); idempotent. The engine cannot run steps
         afterwards."""
-        self.optimizer.close()  # a node's: says BYE
-        self.queues.close()
+        try:
+            self.queues.drain()  # the last step's tail: its failure is this run's
+        finally:
+            self.optimizer.close()  # a node's: says BYE
+            self.queues.close()
+            self._release()
+
+    def _release(self) -> None:
+        """The store's files and IO engine, the NVMe directory this engine made, the checkpoint locks."""
         self.store.close()
         self._made_dirs()  # after the store closed the tier's files; a finalizer runs once
         for lock in getattr(self, "_dir_locks", {}).values():  # checkpoint directories save() locked
@@ -208,6 +229,11 @@ class Engine:
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
+        self.halves = self._double_buffered(budgets)
+        if self.halves is not None:  # the speculative plan is the step's plan; the others run when it is redone
+            self.model_spec = replace(self.model_spec, double_buffer=True)
+            self.plan = self.halves["speculate"][0]
+            self.predicted = estimate(self.plan, HardwareProfile())
         self.wire_bytes = wire_bytes(self.plan)
         """Bytes this rank sends per step by the plan's collectives (compressed payloads as encoded)."""
         # Evaluation runs a forward-only plan (one micro-batch) over the same store: the same layout (which
@@ -215,11 +241,26 @@ class Engine:
         self.eval_plan = plan_step(replace(self.model_spec, forward_only=True), budgets=budgets,
                                    placement=self.placement, strategy=self.strategy)
         validate(self.eval_plan)
+        others = [p for pair in (self.halves or {}).values() for p in pair if p is not self.plan]
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
-                                        io_backend=self.config.io_backend, also=(self.eval_plan,),
+                                        io_backend=self.config.io_backend, also=(self.eval_plan, *others),
                                         scratch=not off.keep_nvme_state)
         if self.store.nvme is None:
             self._made_dirs()  # the plan keeps nothing on NVMe: no directory of ours in the way while it runs
+
+    def _double_buffered(self, budgets: Budgets) -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
+        """The plans of a double-buffered optimizer state, by half (``plan_speculative``), each validated; ``None``
+        when the run's updates need not wait for the norm, its optimizer state is not on NVMe in this process, or
+        the second half does not fit."""
+        halves = plan_speculative(self.model_spec, budgets=budgets, placement=self.placement, strategy=self.strategy)
+        for pair in (halves or {}).values():
+            for plan in pair:
+                validate(plan)
+        return halves
+
+    def _plans(self) -> list[SwapPlan]:
+        """Every training plan this engine may run (the step's; with a double-buffered state every half's)."""
+        return [p for pair in self.halves.values() for p in pair] if self.halves is not None else [self.plan]
 
     def _agree(self, result) -> None:
         """Every rank must run the same plan, or their collectives would not match: compare digests."""
@@ -349,7 +390,11 @@ class Engine:
         self.compute.begin(batches, step=step)  # [Note: dropout is drawn by step]
         self.optimizer.begin_step(step)
         start = time.perf_counter()
-        self.last_spans = self.executor.run()
+        if self.speculation is None:  # the step's tail runs on beside the next step ([Note: steady state])
+            self.last_spans = self.executor.run(pipeline=True)
+        else:  # a redo sets the step up anew and runs it again ([Note: when to speculate] in exec/speculate.py)
+            self.last_spans = self.speculation.run(
+                lambda: (self.compute.begin(batches, step=step), self.optimizer.begin_step(step)))
         step_s = time.perf_counter() - start
         tokens = sum(y.numel() for _, y in batches) * self.world.size
         busy = busy_by_queue(self.last_spans)

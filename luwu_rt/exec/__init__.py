@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from luwu_rt.exec.norm import NormHandlers
     from luwu_rt.exec.optim import AdamWHandler, AdamWHyper
     from luwu_rt.exec.place import LocalOptimizer, OptimizerPlace, StepFn
+    from luwu_rt.exec.speculate import SpeculativeRuns
     from luwu_rt.exec.step import OptimizerStep, StepOutcome, StepResult
     from luwu_rt.exec.streams import DeferredStream, HostStream, Queues
     from luwu_rt.exec.trace import Span, busy_by_queue, write_chrome_trace, write_rank_traces
@@ -25,7 +26,8 @@ _WHERE = {
     "Chaos": "chaos", "DONE": "executor", "Executor": "executor", "Handle": "executor", "Handler": "executor",
     "Views": "executor", "WaitAll": "executor", "NormHandlers": "norm", "AdamWHandler": "optim",
     "AdamWHyper": "optim", "LocalOptimizer": "place", "OptimizerPlace": "place", "StepFn": "place",
-    "OptimizerStep": "step", "StepOutcome": "step", "StepResult": "step", "DeferredStream": "streams",
+    "SpeculativeRuns": "speculate", "OptimizerStep": "step", "StepOutcome": "step", "StepResult": "step",
+    "DeferredStream": "streams",
     "HostStream": "streams", "Queues": "streams", "Span": "trace", "busy_by_queue": "trace",
     "write_chrome_trace": "trace", "write_rank_traces": "trace", "state_dtypes": "views", "typed_views": "views",
 }
@@ -33,6 +35,7 @@ _WHERE = {
 
 __all__ = ["AdamWHandler", "AdamWHyper", "Chaos", "DONE", "DeferredStream", "Executor", "Handle", "Handler",
            "HostStream", "LocalOptimizer", "NormHandlers", "OptimizerPlace", "OptimizerStep", "Queues", "Span",
+           "SpeculativeRuns",
            "StepFn", "StepOutcome", "StepResult", "Views", "WaitAll", "busy_by_queue", "state_dtypes", "typed_views",
            "write_chrome_trace", "write_rank_traces"]
 assert sorted(__all__) == sorted(_WHERE)

@@ -19,12 +19,15 @@ import torch
 from luwu_rt.exec.executor import Views
 from luwu_rt.exec.views import state_dtypes, typed_views
 from luwu_rt.plan.ops import OptimStep, ShardId, ShardInfo
+from luwu_rt.plan.spec import SECOND_HALF
 
 __all__ = ["AdamWHyper", "AdamWHandler"]
 
-_ROLES = {"grad_slice": "grad", "param_slice": "param"}
-"""zero1 updates from its reduce-scattered ``grad_slice``; zero1/2 write the updated ``param_slice``."""
-_UPDATED = ("param", "param_slice", "grad", "grad_slice", "master", "exp_avg", "exp_avg_sq")
+_ROLES = {"grad_slice": "grad", "param_slice": "param", **{b: a for a, b in SECOND_HALF.items()}}
+"""zero1 updates from its reduce-scattered ``grad_slice``; zero1/2 write the updated ``param_slice``; a
+double-buffered update writes the other half of the optimizer state ([Note: speculative updates] in
+plan/sequence.py)."""
+_UPDATED = ("param", "param_slice", "grad", "grad_slice", "master", "exp_avg", "exp_avg_sq", *SECOND_HALF.values())
 """The state kinds an update reads or writes (not the norms)."""
 
 
@@ -93,9 +96,12 @@ class AdamWHandler:
         from luwu_rt.kernels import adamw_step
 
         assert self.step >= 1, "set handler.step before running the plan"
-        # The step's norm is read by whoever set ``hyper`` ([Note: clipping] in step.py).
+        # The step's norm is read by whoever set ``hyper`` ([Note: clipping] in step.py). A consumed copy's bytes
+        # are its output's ([Note: taking over a copy] in plan/ops.py): the update runs in place on the output.
+        gone = {a.shard for a in op.consumes}
         typed = {_ROLES.get(state, state): pieces
-                 for state, pieces in typed_views(views, self.shards, self.dtypes, states=_UPDATED).items()}
+                 for state, pieces in typed_views({s: v for s, v in views.items() if s not in gone}, self.shards,
+                                                  self.dtypes, states=_UPDATED).items()}
         h = self.hyper
         for piece in self._pieces(typed):
             param = piece.get("param")

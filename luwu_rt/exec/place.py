@@ -135,7 +135,10 @@ class LocalOptimizer:
 
     def finish_step(self, loss_part: float) -> StepResult:
         (loss,) = self.all_reduce([loss_part])
-        return dataclasses.replace(self.step.finish(), loss=loss)
+        result = self.step.finish()
+        if self.store.double_buffered and not result.skipped:
+            self.store.swap_halves()  # the half the step wrote is current ([Note: speculative updates])
+        return dataclasses.replace(result, loss=loss)
 
     def describe(self) -> tuple[str, ...]:
         return ()  # the plan's homes say it all

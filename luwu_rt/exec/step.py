@@ -10,14 +10,21 @@ optimizer runs on the node keeps the schedule and Adam's count through it and
 takes the step's outcome from the node (``finish(outcome=...)``).
 
 [Note: clipping]
-Global-norm clipping is exact: it waits for the norm. The gradient norm is only
-known after the whole backward, so with ``grad_clip > 0`` (and for fp16, whose
-overflow check needs the norm too) every optimizer step of the plan reads the
-step's total norm, the output of its ``NormReduce``, which reads every unit's
-``GradNorm`` (``ModelSpec.optimizer_waits_for_backward``): the wait follows from
-the data. Loads of optimizer state still overlap backward; the update itself
-does not. With clipping off, each unit's update overlaps the backward of the
-units below it, and the norm is only reported.
+Global-norm clipping is exact: an update uses the clip factor of the step's
+norm, ``min(1, grad_clip / (norm + 1e-6))`` as ``clip_grad_norm_`` computes it.
+The gradient norm is only known after the whole backward, so with
+``grad_clip > 0`` (and for fp16, whose overflow check needs the norm too) the
+update either waits for it or speculates. Waiting: every optimizer step of the
+plan reads the step's total norm, the output of its ``NormReduce``, which reads
+every unit's ``GradNorm`` (``ModelSpec.optimizer_waits_for_backward``): the wait
+follows from the data; loads of optimizer state still overlap backward, the
+update itself does not. Speculating (optimizer state on NVMe, double-buffered:
+[Note: speculative updates] in plan/sequence.py): each unit's update runs as its
+gradients are final, with clip factor 1, into the other half of the state;
+after the step ``verdict`` reads the norm: factor exactly 1 and a finite norm
+commit the step (the halves swap), anything else redoes it from the untouched
+half (``SpeculativeRuns``). With clipping off, each unit's update overlaps the
+backward of the units below it, and the norm is only reported.
 
 [Note: skipped steps]
 A step whose norm is not finite (an fp16 overflow) updates nothing: every
@@ -79,6 +86,9 @@ class OptimizerStep:
     scaled by (fp16);
     ``adam_step``: updates applied before the first step run here (a resumed run's)."""
 
+    SPECULATION = "adaptive"
+    """The default of ``speculation`` ([Note: when to speculate] in speculate.py)."""
+
     def __init__(self, shards: Mapping[ShardId, ShardInfo], *, optim: OptimConfig, total_steps: int,
                  loss_scale: float, param_dtype: torch.dtype, grad_dtype: torch.dtype, adam_step: int = 0) -> None:
         self.optim = optim
@@ -93,6 +103,11 @@ class OptimizerStep:
         """The step being run, 1-based (the schedule's position)."""
         self._skip: bool | None = None
         """Whether this step skips its update; ``None`` until its first ``OptimStep`` read the norm."""
+        self.speculation = self.SPECULATION
+        """When a double-buffered run updates speculatively ([Note: when to speculate]): ``adaptive``, ``always``
+        or ``never``."""
+        self._clipped = False
+        """Whether the last step's norm called for clipping (or was not finite)."""
 
     def handlers(self) -> dict[str, Handler]:
         """The executor's handlers of the update and of the norms (a ``NormReduce`` within this process;
@@ -103,12 +118,18 @@ class OptimizerStep:
         """Where a resumed run's Adam count stands (a checkpoint's, or a restarted node's)."""
         self.adam_step = adam_step
 
-    def hyper(self, step: int, norm: float | None) -> AdamWHyper:
-        """The hyper-parameters of ``step``; ``norm``: the step's gradient norm when the plan made the update
-        wait for it ([Note: clipping]), else ``None`` (no clipping)."""
+    def clip_factor(self, norm: float | None) -> float:
+        """What the gradients are multiplied by for a step of gradient norm ``norm`` ([Note: clipping]): 1 with
+        clipping off, without a norm or for a norm that is not finite (a step that is skipped)."""
         o = self.optim
         clipping = norm is not None and o.grad_clip > 0 and math.isfinite(norm)
-        clip = min(1.0, o.grad_clip / (norm + 1e-6)) if clipping else 1.0
+        return min(1.0, o.grad_clip / (norm + 1e-6)) if clipping else 1.0
+
+    def hyper(self, step: int, norm: float | None) -> AdamWHyper:
+        """The hyper-parameters of ``step``; ``norm``: the step's gradient norm when the plan made the update
+        wait for it ([Note: clipping]), else ``None`` (no clipping, or a speculative update)."""
+        o = self.optim
+        clip = self.clip_factor(norm)
         lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=self.total_steps)
         return AdamWHyper(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
                           grad_scale=clip / self.loss_scale)
@@ -119,6 +140,24 @@ class OptimizerStep:
         self._skip = None
         self.adamw.step = self.adam_step + 1
         self.adamw.hyper = self.hyper(step, None)
+
+    def speculates(self) -> bool:
+        """Whether the next step should update speculatively, when it can ([Note: when to speculate])."""
+        return self.speculation == "always" or (self.speculation == "adaptive" and not self._clipped)
+
+    def verdict(self) -> str:
+        """After a speculative run of the step ([Note: clipping]): ``commit`` when its updates used the exact clip
+        factor (1, the norm finite), ``skip`` when the norm is not finite (nothing may be updated), else
+        ``redo``."""
+        norm = self.grad_norm
+        if not math.isfinite(norm):
+            self._skip = True
+            return "skip"
+        return "commit" if self.clip_factor(norm) == 1.0 else "redo"
+
+    def restore(self, op: OptimStep, views: Views) -> None:
+        """The ``OptimStep`` handler of a restore plan (``plan_restore``): the parameters from the master weights."""
+        self.adamw(op, views, update=False)
 
     def optim_step(self, op: OptimStep, views: Views) -> None:
         """The ``OptimStep`` handler. They run one at a time on their queue; the first of a step reads the
@@ -144,4 +183,5 @@ class OptimizerStep:
             outcome = StepOutcome(grad_norm=self.grad_norm, skipped=bool(self._skip))
         if not outcome.skipped:
             self.adam_step += 1
+        self._clipped = outcome.skipped or self.clip_factor(outcome.grad_norm) < 1.0
         return StepResult(lr=self.adamw.hyper.lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped)

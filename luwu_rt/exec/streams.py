@@ -15,6 +15,16 @@ that event. Three kinds share this interface, so the executor has one code path:
 * ``CudaStream``: a ``torch.cuda.Stream`` and ``torch.cuda.Event``s. Waiting on
   a host event from it host-synchronises that event first (a CUDA stream cannot
   wait for the host).
+* ``IOStream``: file IO. The work runs at ``launch`` on the queue thread and
+  starts a transfer; the event completes when the transfer has (``record``'s
+  event waits for it, and checks its checksums, in whichever thread needs it
+  first). So the queue thread goes on submitting the next transfer while the
+  previous ones are in flight: the disk sees a deep queue of the step's IO,
+  not one shard at a time ([Note: IO in flight]).
+
+Work may return a completion (a callable; any other value is ignored): the IO
+it started, which an ``IOStream`` waits for in its event and every other
+stream at once.
 
 ``Queues`` is the one place that owns every queue's thread and stream.
 
@@ -25,6 +35,17 @@ the next ``record()`` hands it to its event, whose ``synchronize()`` re-raises
 it. A stream that waits on a failed event fails the same way, so a failure
 reaches every op that depends on it, and only those; after the record the
 stream is clean again, so a failed run leaves its streams usable for the next.
+
+[Note: IO in flight]
+Measured (``luwu bench offload-step``, 256M params, 16 MiB shards): with each
+NVMe op waiting for its own transfer the read and write queues were each busy
+almost all of the step, yet moved the step's bytes 25% slower than the same
+IO engine moving them in one request each way: a queue thread that waits for
+every transfer leaves at most one shard in flight per direction, and the disk
+idles between them. Completing each transfer in its event instead keeps as
+many in flight as the plan's dependencies and the budget allow. Since such a
+stream's ops complete out of order, an op on it waits for the events of its
+dependencies on the same queue too (``ordered`` is False).
 
 [Note: idle threads hold nothing]
 A queue thread or stream worker drops its last job before it waits for the
@@ -56,12 +77,12 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaStream", "DeferredStream", "Event", "HostEvent", "HostStream", "JoinedEvent", "QUEUE_STREAMS",
-           "Queues", "STREAM_KINDS", "Stream"]
+__all__ = ["CudaStream", "DeferredStream", "Event", "HostEvent", "HostStream", "IOEvent", "IOStream", "JoinedEvent",
+           "QUEUE_STREAMS", "Queues", "STREAM_KINDS", "Stream"]
 
 Work = Callable[[], None]
 
@@ -125,6 +146,8 @@ def _parts(event: Event) -> tuple[Event, ...]:
 
 class Stream(Protocol):
     name: str
+    ordered: bool
+    """Whether work completes in launch order (so a later op of the queue need not wait for an earlier one)."""
 
     def launch(self, fn: Work) -> None:
         """Enqueues ``fn``; it runs after everything launched and waited for before it."""
@@ -154,13 +177,21 @@ class _Pending:
     def __init__(self) -> None:
         self.error: BaseException | None = None
 
-    def call(self, fn: Work) -> None:
+    def call(self, fn: Work) -> object:
+        """Runs ``fn`` unless an earlier one failed; returns what it returned (a completion, or ``None``)."""
         if self.error is not None:
-            return  # after a failure, work up to the next record is skipped
+            return None  # after a failure, work up to the next record is skipped
         try:
-            fn()
+            return fn()
         except BaseException as exc:  # handed to the next recorded event
             self.error = exc
+            return None
+
+    def complete(self, fn: Work) -> None:
+        """Runs ``fn`` and, at once, the completion it returns (a stream that waits for all its work)."""
+        done = self.call(fn)
+        if callable(done):
+            self.call(done)
 
     def take(self) -> BaseException | None:
         error, self.error = self.error, None
@@ -170,12 +201,15 @@ class _Pending:
 class HostStream:
     """Runs work at ``launch`` on the calling thread: the stream of a queue whose work is host code."""
 
+    ordered = True
+    """Its work completes in launch order."""
+
     def __init__(self, name: str) -> None:
         self.name = name
         self._pending = _Pending()
 
     def launch(self, fn: Work) -> None:
-        self._pending.call(fn)
+        self._pending.complete(fn)
 
     def record(self) -> HostEvent:
         return HostEvent(done=True, error=self._pending.take())
@@ -190,9 +224,72 @@ class HostStream:
         pass
 
 
+class IOEvent:
+    """Completes when the transfers started before it have: its first ``synchronize`` waits for them."""
+
+    __slots__ = ("_waits", "_lock", "_done", "error")
+
+    def __init__(self, waits: list[Work], error: BaseException | None) -> None:
+        self._waits, self.error = waits, error
+        self._lock = threading.Lock()
+        self._done = not waits
+
+    def query(self) -> bool:
+        return self._done
+
+    def synchronize(self) -> None:
+        with self._lock:  # one thread completes the transfers; any other waits for it here
+            if not self._done:
+                try:
+                    for wait in self._waits:
+                        wait()
+                except BaseException as exc:
+                    self.error = self.error or exc
+                finally:
+                    self._done, self._waits = True, []
+        if self.error is not None:
+            raise self.error
+
+
+class IOStream:
+    """File IO ([Note: IO in flight]): ``launch`` runs the work on the calling thread, which starts a transfer and
+    returns its completion; the next ``record``'s event completes it."""
+
+    ordered = False
+    """Its ops complete out of launch order: a same-queue dependency is waited for like any other."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pending = _Pending()
+        self._open: list[Work] = []
+
+    def launch(self, fn: Work) -> None:
+        done = self._pending.call(fn)
+        if callable(done):
+            self._open.append(done)
+
+    def record(self) -> IOEvent:
+        event, self._open = IOEvent(self._open, self._pending.take()), []
+        return event
+
+    def wait(self, event: Event) -> None:
+        self._pending.call(event.synchronize)  # blocks the queue thread: the next transfer needs it
+
+    def sleep(self, seconds: float) -> None:
+        if self._open:  # after a launch: its completion comes later
+            self._open.append(partial(time.sleep, seconds))
+        else:
+            time.sleep(seconds)
+
+    def close(self) -> None:
+        pass
+
+
 class DeferredStream:
     """A worker thread that runs launched work and waits in FIFO order, some time after ``launch``
     returned: the CPU stand-in for a GPU stream."""
+
+    ordered = True
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -202,7 +299,7 @@ class DeferredStream:
         self._thread.start()
 
     def launch(self, fn: Work) -> None:
-        self._items.put(("run", fn))
+        self._items.put(("run", fn))  # _drain completes what it returns
 
     def record(self) -> HostEvent:
         event = HostEvent()
@@ -229,7 +326,7 @@ def _drain(items: queue.SimpleQueue) -> None:
         if kind == "record":
             arg.set(pending.take())
         else:
-            pending.call(arg)
+            pending.complete(arg)
         del item, arg  # [Note: idle threads hold nothing]
 
 
@@ -259,17 +356,19 @@ class CudaStream:
     """Work launched from the queue thread onto a CUDA stream: the host returns once the kernels,
     copies or collectives are enqueued; events say when they ran."""
 
+    ordered = True
+
     def __init__(self, name: str, *, stream: torch.cuda.Stream) -> None:
         self.name = name
         self.stream = stream
         self._pending = _Pending()
 
     def launch(self, fn: Work) -> None:
-        def on_stream() -> None:
+        def on_stream() -> object:
             with torch.cuda.stream(self.stream):
-                fn()
+                return fn()
 
-        self._pending.call(on_stream)
+        self._pending.complete(on_stream)
 
     def record(self) -> CudaEvent:
         event = torch.cuda.Event()
@@ -299,8 +398,8 @@ runs it later, for tests) or ``cuda`` (CUDA streams)."""
 
 QUEUE_STREAMS = {
     # queue: (what runs its work on a GPU, why the queue has a thread and a stream of its own)
-    "nvme_read": ("host", "file reads, done by the queue thread; never behind a write-back"),
-    "nvme_write": ("host", "file write-back, beside the reads"),
+    "nvme_read": ("io", "file reads, submitted by the queue thread, several in flight; never behind a write-back"),
+    "nvme_write": ("io", "file write-back, beside the reads"),
     "h2d": ("device", "copies to the device on a stream of their own: a copy engine overlaps compute"),
     "d2h": ("device", "copies off the device on the other copy engine, beside loads and compute"),
     "compute": ("device", "the current stream: kernels launched without naming a stream stay in order with it"),
@@ -315,7 +414,8 @@ QUEUE_STREAMS = {
     "mem": ("host", "frees: no work; their events join their dependencies' ([Note: issuing ops on streams])"),
 }
 """Every queue of ``plan.ops.QUEUES`` (which says what runs on it) and the stream it gets: ``device``
-queues get the ``device_streams`` kind of their ``Queues``, ``host`` queues always a ``HostStream``."""
+queues get the ``device_streams`` kind of their ``Queues``, ``host`` queues always a ``HostStream``, ``io``
+queues an ``IOStream``."""
 
 
 class _Job:
@@ -377,6 +477,8 @@ class Queues:
         self._threads: dict[str, threading.Thread] = {}
         self._streams: dict[str, Stream] = {}
         self._closed = False
+        self._pending: Any = None
+        """A run whose tail may still be running (``executor.Pending``): [Note: steady state] in plan/steady.py."""
         # The finaliser gets the FIFOs, not ``self``: queues nobody closed still end their threads.
         self._all_jobs: list[queue.SimpleQueue] = []
         self._all_streams: list[Stream] = []
@@ -386,6 +488,8 @@ class Queues:
     def _stream_for(self, name: str) -> Stream:
         if name not in QUEUE_STREAMS:
             raise KeyError(f"no queue {name!r}: plan queues are {sorted(QUEUE_STREAMS)}")
+        if QUEUE_STREAMS[name][0] == "io":
+            return IOStream(name)
         if QUEUE_STREAMS[name][0] == "host" or self.device_streams == "host":
             return HostStream(name)
         if self.device_streams == "deferred":
@@ -429,6 +533,28 @@ class Queues:
         """Held by a run: the queues serve one plan run at a time."""
         return self._run_lock
 
+    @property
+    def pending(self) -> Any:
+        """The run whose tail may still be running, or ``None``."""
+        return self._pending
+
+    def set_pending(self, pending: Any) -> None:
+        """A run that returned with its tail still running ([Note: steady state] in plan/steady.py)."""
+        assert self._pending is None
+        self._pending = pending
+
+    def take_pending(self) -> Any:
+        """The run whose tail may still be running (``None``: none); the caller waits for it or runs beside it."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def drain(self) -> None:
+        """Waits until no run's tail is running any more; re-raises the tail's failure. What reads or writes the
+        store outside a run calls it first."""
+        pending = self.take_pending()
+        if pending is not None:
+            pending.wait()
+
     def threads(self) -> dict[str, threading.Thread]:
         """The live queue threads by queue (deferred streams' workers not included)."""
         return dict(self._threads)
@@ -441,6 +567,12 @@ class Queues:
                 return
             self._closed = True
         assert threading.current_thread() not in self._threads.values(), "a queue thread cannot close its queues"
+        pending = self.take_pending()
+        if pending is not None:  # its tail finishes on these threads first; a failure of it is not this call's
+            try:
+                pending.wait()
+            except Exception:  # noqa: BLE001 - raised by the next run or drain had there been one; closing goes on
+                pass
         for jobs in self._jobs.values():
             jobs.put(None)
         for thread in self._threads.values():

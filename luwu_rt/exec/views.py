@@ -18,6 +18,7 @@ from luwu_rt.exec.executor import Views
 from luwu_rt.kernels.dtypes import TORCH_DTYPES
 from luwu_rt.plan.dtypes import FIXED_STATE_DTYPES
 from luwu_rt.plan.ops import ShardId, ShardInfo
+from luwu_rt.plan.spec import SECOND_HALF
 
 __all__ = ["state_dtypes", "typed_views"]
 
@@ -25,12 +26,13 @@ __all__ = ["state_dtypes", "typed_views"]
 def state_dtypes(*, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The element type of every shard state kind of a plan: the compute copy and its workspaces
     (``param``, ``param_full``, ``param_slice``) in ``param_dtype``, the gradient and its workspaces in
-    ``grad_dtype``, the optimizer state and a compressed unit's residual in fp32, a squared norm in float64
-    (the table the planner sized them from: [Note: dtype names] in plan/dtypes.py) and compressed payloads as
-    bytes."""
+    ``grad_dtype``, the optimizer state (both halves of a double-buffered one) and a compressed unit's residual
+    in fp32, a squared norm in float64 (the table the planner sized them from: [Note: dtype names] in
+    plan/dtypes.py) and compressed payloads as bytes."""
     return {"param": param_dtype, "param_full": param_dtype, "param_slice": param_dtype,
             "grad": grad_dtype, "grad_full": grad_dtype, "grad_slice": grad_dtype,
-            **{state: TORCH_DTYPES[name] for state, name in FIXED_STATE_DTYPES.items()}}
+            **{state: TORCH_DTYPES[name] for state, name in FIXED_STATE_DTYPES.items()},
+            **{kind: TORCH_DTYPES[FIXED_STATE_DTYPES[base]] for base, kind in SECOND_HALF.items()}}
 
 
 def typed_views(views: Views, shards: Mapping[ShardId, ShardInfo], dtypes: Mapping[str, torch.dtype], *,

@@ -9,7 +9,9 @@ the same bytes (idempotent) and the sum is taken once, in rank order, when the
 plan's ``Recv`` waits for it. A push for a step already applied is stale and
 answered as a duplicate; one for a later step than the next is impossible
 (a worker pushes step s only after it pulled every unit of step s - 1) and
-rejected. Workers scale their loss by 1 / (N x micro-batches)
+rejected. A node that speculates keeps each unit's sum until the step is decided
+(``keep``): a step run again reads it a second time, then ``release`` drops it.
+Workers scale their loss by 1 / (N x micro-batches)
 ([Note: data parallelism in the engine]), so the sum is the gradient of the
 global batch's mean loss, as a single-process run computes it.
 
@@ -32,11 +34,13 @@ from typing import Any
 import torch
 
 from luwu_rt.config import from_mapping
-from luwu_rt.exec import Executor, OptimizerStep, WaitAll, busy_by_queue, state_dtypes, typed_views
+from luwu_rt.exec import (Executor, OptimizerStep, SpeculativeRuns, WaitAll, busy_by_queue, state_dtypes,
+                          typed_views)
 from luwu_rt.exec.chaos import Chaos
 from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.optim.config import OptimConfig
-from luwu_rt.plan import Budgets, Placement, plan_node_auto, validate
+from luwu_rt.plan import GLOBAL_UNIT, Budgets, Placement, ShardId, plan_node_auto, validate
+from luwu_rt.plan.search import plan_node_speculative
 from luwu_rt.store import TieredStore
 
 from .chunks import Assembly, chunk_index
@@ -46,6 +50,7 @@ from .shards import slice_of
 
 __all__ = ["NodeRunner", "Pushes", "Served"]
 
+_NORM = ShardId(GLOBAL_UNIT, "norm", 0)
 NODE_CHAOS_RANK = 1 << 16
 """The node draws chaos delays of its own, not those of any worker rank."""
 
@@ -53,9 +58,13 @@ NODE_CHAOS_RANK = 1 << 16
 class Pushes:
     """Gradients pushed by the workers, per unit ([Note: pushes and the node's Recv])."""
 
-    def __init__(self, numels: list[int], *, num_workers: int, chunk_bytes: int, applied: int = 0) -> None:
+    def __init__(self, numels: list[int], *, num_workers: int, chunk_bytes: int, applied: int = 0,
+                 keep: bool = False) -> None:
         self.numels, self.num_workers, self.chunk_bytes = numels, num_workers, chunk_bytes
         self.applied = [applied] * len(numels)
+        self.keep = keep
+        self.kept: dict[int, torch.Tensor] = {}
+        """Unit -> the sum taken for the step not yet decided (``keep``): what a step run again reads."""
         self.parts: list[dict[int, tuple[torch.Tensor, Assembly]]] = [{} for _ in numels]
         """Per unit: rank -> its pushed fp32 gradient of the next step, and the chunks that arrived
         ([Note: wire chunks] in chunks.py)."""
@@ -92,6 +101,9 @@ class Pushes:
     def take(self, *, step: int, unit: int, out: list[torch.Tensor], timeout_s: float) -> None:
         """Waits until every worker pushed all of ``unit`` for ``step``, then writes their sum (in rank
         order) into the pieces ``out`` (the plan's fp32 ``grad`` shards, in element order)."""
+        if unit in self.kept and self.applied[unit] == step:  # the step runs again: the same sum
+            _scatter(self.kept[unit], out)
+            return
         deadline = time.monotonic() + timeout_s
         with self.cond:
             assert self.applied[unit] == step - 1, (unit, step, self.applied[unit])
@@ -107,10 +119,13 @@ class Pushes:
         total = parts[0][0]
         for r in range(1, self.num_workers):
             total += parts[r][0]
-        start = 0
-        for piece in out:
-            piece.copy_(total[start : start + piece.numel()])
-            start += piece.numel()
+        _scatter(total, out)
+        if self.keep:
+            self.kept[unit] = total
+
+    def release(self, unit: int) -> None:
+        """The step is decided and ``unit`` served: the sum kept for running it again goes."""
+        self.kept.pop(unit, None)
 
     def _missing(self, step: int, unit: int, timeout_s: float) -> str:
         parts = self.parts[unit]
@@ -120,6 +135,13 @@ class Pushes:
                          else f"worker {r} never heard" for r in missing)
         return (f"optimizer node: step {step}: no gradients of unit {unit} from worker(s) {missing} within "
                 f"{timeout_s:g}s ({ages}); a worker died or hung - see its log, or raise --timeout")
+
+
+def _scatter(total: torch.Tensor, out: list[torch.Tensor]) -> None:
+    start = 0
+    for piece in out:
+        piece.copy_(total[start : start + piece.numel()])
+        start += piece.numel()
 
 
 class Served:
@@ -197,11 +219,20 @@ class NodeRunner:
                                 placement=placement, shard_index=shard_index, num_shards=num_shards)
         validate(result.plan)
         self.plan, self.placement = result.plan, result.placement
+        # Exact clipping with the state on NVMe: updates speculate ([Note: when to speculate] in exec/speculate.py).
+        halves = plan_node_speculative(self.model, budgets=Budgets(device_bytes=0, host_bytes=host_bytes,
+                                                                   nvme_bytes=nvme_bytes), placement=self.placement,
+                                       num_workers=num_workers, shard_index=shard_index, num_shards=num_shards)
+        if halves is not None:
+            self.plan = halves["speculate"][0]
+        plans = [p for pair in (halves or {}).values() for p in pair]
+        for plan in plans:
+            validate(plan)
         self.store = TieredStore.create(self.plan, device=torch.device("cpu"),
                                         nvme_root=Path(nvme_dir) / "luwu_node" if nvme_dir else None,
-                                        io_backend=io_backend)
+                                        io_backend=io_backend, also=plans)
         self.pushes = Pushes(self.numels, num_workers=num_workers, chunk_bytes=self.model.chunk_bytes,
-                             applied=start_step)
+                             applied=start_step, keep=halves is not None)
         self.served = Served([n * self.param_dtype.itemsize for n in self.numels])
         # The step the workers' engines would take ([Note: clipping] in exec/step.py), from their HELLO.
         self.optimizer = OptimizerStep(
@@ -216,8 +247,14 @@ class NodeRunner:
         handlers = {"Recv": self._recv, "Serve": self._serve, **self.optimizer.handlers()}
         if exchange_norms:
             handlers["NormReduce"] = self._norm_across
-        self.executor = Executor(self.plan, store=self.store, handlers=handlers,
-                                 chaos=Chaos.from_env(rank=NODE_CHAOS_RANK) if chaos == "env" else chaos)
+        chaos = Chaos.from_env(rank=NODE_CHAOS_RANK) if chaos == "env" else chaos
+        self.executor = Executor(self.plan, store=self.store, handlers=handlers, chaos=chaos)
+        self.speculation: SpeculativeRuns | None = None
+        if halves is not None:
+            runs = {name: [self.executor if p is self.plan else Executor(p, store=self.store, handlers=handlers,
+                                                                          queues=self.executor.queues, chaos=chaos)
+                           for p in pair] for name, pair in halves.items()}
+            self.speculation = SpeculativeRuns(self.optimizer, self.store, **runs)
         self.step = start_step
         self.metrics: dict[str, float] = {}
 
@@ -258,7 +295,10 @@ class NodeRunner:
         return WaitAll(then=lambda: self.pushes.take(step=step, unit=op.unit, out=out, timeout_s=self.timeout_s))
 
     def _serve(self, op, views) -> WaitAll:
+        if _NORM in views and self.optimizer.verdict() != "commit":
+            return WaitAll()  # a speculative step's updates are wrong: it runs again and serves then
         self.served.publish(op.unit, self.step, self._pieces(views, "param"))
+        self.pushes.release(op.unit)
         self.on_served(op.unit, self.step)
         return WaitAll()
 
@@ -281,8 +321,14 @@ class NodeRunner:
         self.step += 1
         self.optimizer.begin(self.step)
         start = time.perf_counter()
-        spans = self.last_spans = self.executor.run()
+        if self.speculation is None:
+            spans = self.executor.run()
+        else:
+            spans = self.speculation.run(lambda: self.optimizer.begin(self.step))
+        self.last_spans = spans
         result = self.optimizer.finish()
+        if self.store.double_buffered and not result.skipped:
+            self.store.swap_halves()  # the half the step wrote is current
         busy = busy_by_queue(spans)
         self.metrics = {"step": self.step, "step_s": time.perf_counter() - start, "recv_s": busy.get("push", 0.0),
                         "optim_s": busy.get("optim", 0.0), "send_s": busy.get("pull", 0.0),

@@ -37,6 +37,7 @@ next on that queue, ends when the transfer does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -47,9 +48,10 @@ from .ops import (Collective, Compute, Decode, Encode, Free, GradNorm, Load, Nor
                   Recv, Serve, Store, SwapPlan, Wait)
 from .sequence import group_members
 from .spec import TIERS, HardwareProfile
+from .steady import periods
 
 __all__ = ["Disturbance", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds", "couple", "estimate",
-           "op_seconds", "op_times", "step_cost", "step_seconds", "timelines"]
+           "op_seconds", "op_times", "steady_seconds", "step_cost", "step_seconds", "timelines"]
 
 _GB = 1e9
 _LINK = {"nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps", "h2d": "h2d_gbps", "d2h": "d2h_gbps"}
@@ -507,12 +509,28 @@ def op_times(plan: SwapPlan, profile: HardwareProfile, *,
     return _runs(plan, profile, node)[0].times
 
 
-def estimate(plan: SwapPlan, profile: HardwareProfile, *, node: SwapPlan | None = None) -> StepCost:
+def estimate(plan: SwapPlan, profile: HardwareProfile, *, node: SwapPlan | None = None,
+             steady: bool = False) -> StepCost:
     """Predicted step time, per-queue busy time and bytes moved per tier for ``plan``; with ``node`` (the
     optimizer node's plan, ``plan_node``) for a worker of strategy ``node``, both simulated together
-    ([Note: worker and node together]) and the node's busy time reported beside the worker's."""
+    ([Note: worker and node together]) and the node's busy time reported beside the worker's. ``steady``: the
+    time of a step in steady state, each beside the previous one's tail ([Note: steady state] in steady.py),
+    for a plan that has wrap dependencies (a first step, or one after a checkpoint, takes the plain time)."""
     run, node_run = _runs(plan, profile, node)
-    return step_cost(run, node_run)
+    cost = step_cost(run, node_run)
+    if steady and plan.wrap_deps and node is None:
+        cost = dataclasses.replace(cost, predicted_step_s=max(steady_seconds(plan, profile),
+                                                              _queue_load(run.busy, "").get("nvme", 0.0)))
+    return cost
+
+
+def steady_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
+    """Seconds between the ends of two steps in steady state: three periods simulated back to back, each started
+    when the one before it returned (all but its tail done), and the time from the second's end to the third's."""
+    run, = timelines([periods(plan, 3, barrier=True)], profile)
+    n = len(plan.ops)
+    ends = [max((run.done[k * n + i] for i in range(n) if i not in plan.tail), default=0.0) for k in range(3)]
+    return ends[2] - ends[1]
 
 
 def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:

@@ -20,7 +20,12 @@ all-reduce over group ``nodes`` (queue reduce) when several node processes split
 the chunks, else local. Without exact clipping a unit's update and serve follow
 its norm at once, and NormReduce (for the report) runs last; with it
 (``ModelSpec.optimizer_waits_for_backward``) every Recv and GradNorm comes
-first, then NormReduce, then the updates, which read its total.
+first, then NormReduce, then the updates, which read its total. With its
+optimizer state double-buffered on NVMe (``ModelSpec.double_buffer`` without
+the wait: [Note: speculative updates] in sequence.py) each update follows its
+unit's norm at once, into the other half, and only the serves wait for
+NormReduce: they read its total, and the runner serves nothing of a step whose
+norm needed clipping but runs it again, waiting (node/runner.py).
 
 Units are received, updated and served in the order the workers push them:
 backward's final order (``final_points``: the head first, the embedding last),
@@ -54,7 +59,8 @@ from .policy import Policy, as_policy
 # count ring bytes (DESIGN.md style 11).
 from .sequence import NORM_BYTES, Need, Step, _cut, _ring, element_bytes, final_points, home_of
 from .sizes import format_size
-from .spec import OPTIMIZER_KINDS, PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy, align_up, ceil_div
+from .spec import (OPTIMIZER_KINDS, PERSISTENT_KINDS, SECOND_HALF, TIERS, Budgets, ModelSpec, Placement, Strategy,
+                   align_up, ceil_div, half_kind)
 
 __all__ = ["NODE_TIERS", "node_comm_groups", "node_layout", "node_lower_bounds", "node_steps", "plan_node",
            "push_order"]
@@ -80,10 +86,11 @@ def node_layout(model: ModelSpec, *, shard_index: int = 0, num_shards: int = 1) 
     """Every shard of node process ``shard_index`` of ``num_shards`` ([Note: node layout])."""
     node_model = _node_model(model)
     layout: dict[ShardId, ShardInfo] = {}
+    states = _NODE_STATES + (tuple(SECOND_HALF.values()) if model.double_buffer else ())
     for u, unit in enumerate(model.units):
         part = ceil_div(unit.num_params, num_shards)
         mine = max(0, min(part, unit.num_params - shard_index * part))
-        for state in _NODE_STATES:
+        for state in states:
             elem = element_bytes(node_model, state)
             _cut(layout, ShardId(u, state, 0), numel=mine, total=align_up(part * elem), elem=elem,
                  chunk=model.chunk_bytes, max_shards=model.max_shards_per_state)
@@ -118,7 +125,15 @@ def node_steps(model: ModelSpec, layout: dict[ShardId, ShardInfo], *, num_worker
                       group_size=num_workers, comm_bytes=num_workers * numel(u) * elem_bytes)
         return Step(op_type, "push" if op_type is Recv else "pull", fields, state_needs)
 
+    def state(u: int) -> tuple[Need, ...]:  # in place, or from the current half into the other
+        if not model.double_buffer:
+            return tuple(n for s in OPTIMIZER_KINDS for n in needs(u, s, "rw"))
+        pairs = [(half_kind(s, model.state_half), half_kind(s, 1 - model.state_half)) for s in OPTIMIZER_KINDS]
+        return tuple(n for a, b in pairs for x, y in zip(shards_of[(u, a)], shards_of[(u, b)], strict=True)
+                     for n in (Need(x, "host", "r"), Need(y, "host", "w", into=x)))
+
     clip = model.optimizer_waits_for_backward
+    speculate = model.double_buffer and not clip
     order = push_order(model)
     steps: list[Step] = []
     updates: list[Step] = []
@@ -126,11 +141,12 @@ def node_steps(model: ModelSpec, layout: dict[ShardId, ShardInfo], *, num_worker
         steps.append(transfer(Recv, u, model.grad_bytes, needs(u, "grad", "w")))
         steps.append(Step(GradNorm, "optim", dict(unit=u, num_params=numel(u), tier="host"),
                           needs(u, "grad", "r") + needs(u, "norm", "w")))
-        update = needs(u, "grad", "r") + tuple(n for s in OPTIMIZER_KINDS for n in needs(u, s, "rw"))
+        update = needs(u, "grad", "r") + state(u)
         update += needs(u, "param", "w") + (needs(GLOBAL_UNIT, "norm", "r") if clip else ())
-        unit_updates = [Step(OptimStep, "optim", dict(unit=u, num_params=numel(u), tier="host"), update),
-                        transfer(Serve, u, model.param_bytes, needs(u, "param", "r"))]
-        (updates if clip else steps).extend(unit_updates)
+        serve = needs(u, "param", "r") + (needs(GLOBAL_UNIT, "norm", "r") if speculate else ())
+        step = Step(OptimStep, "optim", dict(unit=u, num_params=numel(u), tier="host"), update)
+        (updates if clip else steps).append(step)
+        (updates if clip or speculate else steps).append(transfer(Serve, u, model.param_bytes, serve))
     norms = tuple(n for u in order for n in needs(u, "norm", "r")) + needs(GLOBAL_UNIT, "norm", "w")
     across = num_shards > 1
     steps.append(Step(NormReduce, "reduce" if across else "optim",
@@ -148,6 +164,8 @@ def _check(model: ModelSpec, placement: Placement, *, num_workers: int, shard_in
     if num_workers < 1 or num_shards < 1 or not 0 <= shard_index < num_shards:
         raise ValueError(f"node shard {shard_index} of {num_shards} with {num_workers} workers: need at least one "
                          f"worker and one shard, and 0 <= shard_index < num_shards")
+    if model.double_buffer and placement.optimizer != "nvme":
+        raise ValueError(f"a double-buffered optimizer state lives on NVMe, not on {placement.optimizer}")
     for name in ("params", "optimizer", "grads"):
         if getattr(placement, name) not in NODE_TIERS:
             raise ValueError(f"node placement {name}={getattr(placement, name)!r}: an optimizer node keeps its "

@@ -43,6 +43,17 @@ received, one per rank): [Note: codecs on the wire] in codec.py. A compressed
 unit also has ``residual``, persistent fp32 state (error feedback) planned like
 the moments.
 
+[Note: taking over a copy]
+An op may list input copies in ``consumes``: it writes its output of the same
+tier and slot into their very bytes, so the input copy ceases to exist as the
+op starts writing, without a ``Free``. A double-buffered update does this
+([Note: speculative updates] in sequence.py): the staging copy of the current
+half, loaded from NVMe, is updated in place and becomes the staging copy of
+the other half, which is then written to its own home; the current half's home
+stays untouched. A consumed copy is never a home copy, never the only
+up-to-date copy of its shard, and the op must wait for every other op that
+uses it (``validate.py`` checks all three).
+
 Data moves only between neighbouring tiers. ``Load`` moves toward the device
 (nvme -> host, host -> device), ``Store`` away from it; which one persists dirty
 data depends on the state's home tier, not on the op's name.
@@ -54,7 +65,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
 
-from .spec import Budgets, Strategy
+from .spec import PERSISTENT_KINDS, Budgets, Strategy
 
 __all__ = [
     "ShardId", "ShardInfo", "Access", "Op", "Load", "Store", "Free", "Compute", "OptimStep", "GradNorm",
@@ -125,6 +136,9 @@ class Op:
     """Which of ``QUEUES`` runs it; ops on one queue run one at a time."""
     inputs: tuple[Access, ...] = ()
     outputs: tuple[Access, ...] = ()
+    consumes: tuple[Access, ...] = ()
+    """Input copies whose bytes the op takes over for the output copy at the same slot: once it starts writing,
+    they are gone, with no ``Free`` of their own ([Note: taking over a copy])."""
 
     @property
     def kind(self) -> str:
@@ -339,10 +353,22 @@ class SwapPlan:
     """Arena slot of the home copy of each shard that exists before the first op (None on NVMe):
     every persistent shard, whose home copy stays there for the whole step and after it, and in
     an optimizer-only plan also the gradients."""
+    tail: frozenset[int] = frozenset()
+    """Ops a run may leave running when it returns: write-backs and frees no other op waits for ([Note: steady
+    state] in steady.py)."""
+    wrap_deps: tuple[tuple[int, ...], ...] = ()
+    """Per op, the ops of the previous period it waits for when it runs while that period's tail still does
+    ([Note: steady state] in steady.py); empty: a plan of one step, run only after the previous one ended."""
 
     def __post_init__(self) -> None:
         for name in ("shards", "homes", "arena_bytes", "peak_bytes", "home_slots", "comm_groups"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    @property
+    def persistent_kinds(self) -> frozenset[str]:
+        """State kinds whose home copies outlive the step: the persistent ones, and what else exists before the
+        first op (an optimizer-only plan's gradients, given anew before every step)."""
+        return PERSISTENT_KINDS | {s.state for s in self.home_slots}
 
     def count(self, kind: str) -> int:
         """Number of ops of one kind, e.g. ``plan.count("Load")``."""
@@ -367,11 +393,11 @@ def _label(op: Op) -> str:
 
 def format_ops(plan: SwapPlan, *, start: int = 0, stop: int | None = None,
                times: Sequence[tuple[float, float]] | None = None) -> str:
-    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads -> writes, deps; with
+    """One line per op of ``plan.ops[start:stop]``: index, kind, queue, reads (``*``: consumed) -> writes, deps; with
     ``times`` (per op ``(start_s, end_s)``, e.g. ``cost.op_times``) also when it runs."""
     lines = []
     for i, op in enumerate(plan.ops[start:stop], start):
-        reads = " ".join(_access(a) for a in op.inputs)
+        reads = " ".join(_access(a) + ("*" if a in op.consumes else "") for a in op.inputs)
         writes = " ".join(_access(a) for a in op.outputs)
         moves = f" {reads} -> {writes}" if reads or writes else ""
         when = f"{times[i][0] * 1e3:10.3f} {times[i][1] * 1e3:10.3f} " if times is not None else ""

@@ -46,11 +46,12 @@ from typing import Callable, Iterable
 from .arena import Arena
 from .ops import Access, Collective, Free, Load, Op, ShardId, ShardInfo, Store, SwapPlan, Wait
 from .policy import POLICIES, Policy, as_policy
-from .sequence import Step, build_layout, build_steps, comm_groups, home_of
+from .sequence import Step, build_layout, build_restore_steps, build_steps, comm_groups, home_of
 from .sizes import format_size
-from .spec import PERSISTENT_KINDS, TIERS, Budgets, ModelSpec, Placement, Strategy
+from .spec import TIERS, Budgets, ModelSpec, Placement, Strategy
+from .steady import steady
 
-__all__ = ["plan_step", "walk_steps", "lower_bounds", "effective_placement", "OutOfBudget", "POLICIES"]
+__all__ = ["plan_step", "plan_restore", "walk_steps", "lower_bounds", "effective_placement", "OutOfBudget", "POLICIES"]
 
 _QUEUE = {("nvme", "host"): "nvme_read", ("host", "nvme"): "nvme_write", ("host", "device"): "h2d",
           ("device", "host"): "d2h"}
@@ -286,10 +287,18 @@ class _Walk:
         # only overwrites is pinned once allocated (until then any old version may go).
         pinned = {(n.shard, n.tier) for n in step.needs if "r" in n.mode}
         deps: set[int] = {self.step_op[a] for a in step.after}
-        inputs, outputs, targets = [], [], []
+        inputs, outputs, targets, consumes = [], [], [], []
         # Largest shards first: placing big copies while the arena is least fragmented lets a
-        # step fit within a few percent of its lower bound.
-        for need in sorted(step.needs, key=lambda n: -self.layout[n.shard].nbytes):
+        # step fit within a few percent of its lower bound. Copies written into an input's bytes come
+        # last, once that input is resident ([Note: taking over a copy] in ops.py).
+        for need in sorted(step.needs, key=lambda n: (n.into is not None, -self.layout[n.shard].nbytes)):
+            if need.into is not None:
+                copy, wait, taken = self._take_over(need, pinned)
+                deps |= wait
+                consumes.append(taken)
+                targets.append((need, copy))
+                outputs.append(Access(need.shard, need.tier, copy.slot))
+                continue
             if "r" in need.mode:
                 copy = self.ensure(need.shard, need.tier, pos, frozenset(pinned))
                 deps.update([copy.ready] if copy.ready >= 0 else [])
@@ -301,7 +310,7 @@ class _Walk:
                 targets.append((need, copy))
                 outputs.append(Access(need.shard, need.tier, copy.slot))
         op = step.op_type(deps=tuple(sorted(deps)), queue=step.queue, inputs=tuple(inputs), outputs=tuple(outputs),
-                          **step.fields)
+                          consumes=tuple(consumes), **step.fields)
         idx = self._record(op, targets, pos)
         if isinstance(op, Collective):  # [Note: collectives as start and wait] in ops.py
             idx = self._record(Wait(deps=(idx,), queue=op.queue, inputs=op.inputs, outputs=op.outputs, start=idx),
@@ -315,10 +324,29 @@ class _Walk:
                 for tier in list(self.copies[shard]):
                     self.free_copy(shard, tier)
 
+    def _take_over(self, need, pinned: set) -> tuple[_Copy, set[int], Access]:
+        """The copy of ``need.shard`` made in the bytes of ``need.into``'s copy on the same tier, which the step
+        reads and consumes ([Note: taking over a copy] in ops.py); the ops the write waits for; the consumed
+        access."""
+        source, tier = need.into, need.tier
+        old = self.copies[source][tier]
+        assert tier != self._home(source) and self._is_clean(source, tier), f"cannot consume {source} on {tier}"
+        assert self.layout[source].nbytes == self.layout[need.shard].nbytes, (source, need.shard)
+        if tier in self.copies[need.shard]:  # a stale copy of the output: its bytes are of no use
+            self.free_copy(need.shard, tier)
+        del self.copies[source][tier], self.resident[tier][source]
+        copy = _Copy(version=-1, slot=old.slot, ready=-1)
+        self._add_copy(need.shard, tier, copy)
+        pinned.add((need.shard, tier))
+        wait = set(old.readers) | ({old.ready} if old.ready >= 0 else set())
+        return copy, wait, Access(source, tier, old.slot)
+
     def _record(self, op: Op, targets: list, pos: int) -> int:
         """Emits ``op``: it reads its inputs and makes each output copy in ``targets`` the latest version."""
         idx = self._emit(op)
         for acc in op.inputs:
+            if acc in op.consumes:
+                continue  # gone: its bytes are an output's now
             copy = self.copies[acc.shard][acc.tier]
             copy.readers.append(idx)
             copy.last_use = pos
@@ -330,7 +358,7 @@ class _Walk:
     def _dead(self, shard: ShardId, pos: int) -> bool:
         """A transient shard (gradients, workspaces) whose value nothing reads any more: no later access,
         or only one that overwrites it (a workspace gathered again for the next use)."""
-        if shard.state in PERSISTENT_KINDS:
+        if shard.state in self.initial_kinds:
             return False
         nxt = self._next_access(shard, pos)
         return nxt is None or nxt[2] == "w"
@@ -354,7 +382,7 @@ class _Walk:
         for shard, copies in self.copies.items():
             for tier in [t for t in copies if t != self._home(shard)]:
                 self.free_copy(shard, tier)
-            assert shard.state not in PERSISTENT_KINDS or copies[self._home(shard)].version == self.latest[shard]
+            assert shard.state not in self.initial_kinds or copies[self._home(shard)].version == self.latest[shard]
 
 
 class OutOfBudget(ValueError):
@@ -374,16 +402,16 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     placement = effective_placement(placement, strategy)
     layout = build_layout(model, strategy)
     steps = build_steps(model, strategy, placement, layout)
-    # Only persistent kinds hold their home bytes all step long; an optimizer-only step's gradients start at
-    # home too, but each dies after its unit's update, so they count where a step uses them.
-    home = {t: sum(i.nbytes for s, i in layout.items()
-                   if s.state in PERSISTENT_KINDS and home_of(s.state, placement) == t)
+    # Persistent kinds hold their home bytes all step long, and so do an optimizer-only step's gradients, given
+    # anew before every step ([Note: steady state] in steady.py).
+    kept = model.initial_kinds
+    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in kept and home_of(s.state, placement) == t)
             for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:
         for tier in TIERS:
-            nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier)
-                         if not (n.shard.state in PERSISTENT_KINDS and home_of(n.shard.state, placement) == tier))
+            nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier) if n.into is None  # shares bytes
+                         and not (n.shard.state in kept and home_of(n.shard.state, placement) == tier))
             working[tier] = max(working[tier], nbytes)
     # Params and grads travel between the device and NVMe through a host staging copy.
     staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
@@ -426,11 +454,26 @@ def plan_step(model: ModelSpec, *, budgets: Budgets, placement: Placement, strat
                          f"raise it or lower the batch size / sequence length")
     layout = build_layout(model, strategy)
     try:
-        return walk_steps(build_steps(model, strategy, placement, layout), layout, model=model, budgets=budgets,
+        plan = walk_steps(build_steps(model, strategy, placement, layout), layout, model=model, budgets=budgets,
                           placement=placement, strategy=strategy, policy=policy,
                           comm_groups=comm_groups(model, strategy))
     except OutOfBudget as exc:  # the same exception, now saying what the tier needs
         raise OutOfBudget(exc.tier, _budget_message(exc.tier, model, budgets, placement, strategy)) from None
+    # A training step is one period of a pipeline ([Note: steady state] in steady.py); evaluation runs alone.
+    return plan if model.forward_only else steady(plan)
+
+
+def plan_restore(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
+                 policy: str | Policy = "belady") -> SwapPlan:
+    """The plan that puts back the parameters a speculative update overwrote ([Note: speculative updates] in
+    sequence.py): the compute copy of every unit from the current half (``model.state_half``) of its master
+    weights, over the layout of ``model``'s training plan. Its ``OptimStep`` ops read only the master weights
+    and write only the parameters."""
+    placement = effective_placement(placement, strategy)
+    layout = build_layout(model, strategy)
+    steps = build_restore_steps(model, strategy, placement, layout)
+    return walk_steps(steps, layout, model=model, budgets=budgets, placement=placement, strategy=strategy,
+                      policy=policy, comm_groups=comm_groups(model, strategy))
 
 
 def walk_steps(steps: list[Step], layout: dict[ShardId, ShardInfo], *, model: ModelSpec, budgets: Budgets,

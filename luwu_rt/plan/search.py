@@ -21,6 +21,7 @@ flag can spell (``flag_size``), so the number printed is the number planned.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,12 +29,14 @@ from dataclasses import dataclass
 from .cost import StepCost, estimate
 from .node import NODE_TIERS, node_lower_bounds, plan_node
 from .ops import SwapPlan
-from .planner import OutOfBudget, effective_placement, lower_bounds, plan_step
+from .halves import mirror
+from .planner import OutOfBudget, effective_placement, lower_bounds, plan_restore, plan_step
 from .policy import Policy, as_policy
 from .sizes import flag_size, format_size, parse_size
 from .spec import TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
-__all__ = ["DoesNotFit", "PlanResult", "Remedy", "fitting_budgets", "plan_auto", "plan_node_auto"]
+__all__ = ["DoesNotFit", "PlanResult", "Remedy", "fitting_budgets", "plan_auto", "plan_node_auto",
+           "plan_node_speculative", "plan_speculative"]
 
 _FIELDS = ("params", "optimizer", "grads")
 
@@ -246,6 +249,44 @@ def _does_not_fit(model: ModelSpec, *, budgets: Budgets, placement: Placement, s
                f"(budgets: device {format_size(budgets.device_bytes)}, "
                f"host {format_size(budgets.host_bytes)}{nvme}); it plans with {', or with '.join(flags)}")
     return DoesNotFit(message, needs=needs, remedies=remedies)
+
+
+def plan_speculative(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
+                     policy: str | Policy = "belady") -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
+    """The plans of a double-buffered optimizer state, each with its mirror (the other half's): ``speculate``,
+    ``wait`` and ``restore`` ([Note: speculative updates] in sequence.py; when each runs: [Note: when to
+    speculate] in exec/speculate.py). Only for a step that needs its norm before the updates
+    (``model.optimizer_waits_for_backward``: exact clipping, fp16) with its optimizer state on NVMe in the process
+    that runs the optimizer, under a resolved ``placement``; ``None`` otherwise, or when the second half does not
+    fit the NVMe budget (the updates then wait for the norm)."""
+    if not model.optimizer_waits_for_backward or placement.optimizer != "nvme":
+        return None
+    model = dataclasses.replace(model, double_buffer=True)
+    where = dict(budgets=budgets, placement=placement, strategy=strategy, policy=policy)
+    try:
+        plans = {"speculate": plan_step(dataclasses.replace(model, optimizer_waits_for_backward=False), **where),
+                 "wait": plan_step(model, **where), "restore": plan_restore(model, **where)}
+    except ValueError:  # no room for the second half, or not a process that holds the optimizer state
+        return None
+    return {name: (plan, mirror(plan)) for name, plan in plans.items()}
+
+
+def plan_node_speculative(model: ModelSpec, *, budgets: Budgets, placement: Placement, num_workers: int,
+                          shard_index: int = 0, num_shards: int = 1,
+                          policy: str | Policy = "belady") -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
+    """``plan_speculative`` for an optimizer node process (``plan_node``): its ``speculate`` and ``wait`` plans, each
+    with its mirror; a node has no restore plan (nothing reads its parameters but the serves)."""
+    if not model.optimizer_waits_for_backward or placement.optimizer != "nvme":
+        return None
+    model = dataclasses.replace(model, double_buffer=True)
+    where = dict(budgets=budgets, placement=placement, num_workers=num_workers, shard_index=shard_index,
+                 num_shards=num_shards, policy=policy)
+    try:
+        plans = {"speculate": plan_node(dataclasses.replace(model, optimizer_waits_for_backward=False), **where),
+                 "wait": plan_node(model, **where)}
+    except ValueError:  # no room for the second half
+        return None
+    return {name: (plan, mirror(plan)) for name, plan in plans.items()}
 
 
 def plan_node_auto(model: ModelSpec, *, budgets: Budgets, num_workers: int, placement: Placement = Placement(),

@@ -37,6 +37,27 @@ elements (padded) in one shard, so that every rank's part is one slice of it.
 Every strategy but node computes each unit's squared gradient norm (GradNorm)
 and their sum (NormReduce, an all-reduce where gradients are sliced across
 ranks); exact clipping and fp16's overflow check make every update read it.
+
+[Note: speculative updates]
+Exact global-norm clipping needs the norm of all gradients before any update,
+which is known only after the whole backward ([Note: clipping] in
+exec/step.py). Waiting for it serialises the optimizer (and, with its state on
+NVMe, its reads and writes) behind the backward. A double-buffered layout
+(``ModelSpec.double_buffer``) removes the wait: the optimizer state on NVMe has
+two halves (``master`` and ``master_b``, ``exp_avg`` and ``exp_avg_b``, ...),
+and an update reads the current half (``state_half``) and writes the other,
+so the current half stays untouched on disk. The update then runs as soon as
+the unit's gradients are final, with clip factor 1: the staging copy of the
+current half, loaded from NVMe, is updated in place and becomes the staging
+copy of the other half, which is written to its own files ([Note: taking over
+a copy] in ops.py); no byte more moves than in an update in place. After the
+step the norm is known: when its clip factor is exactly 1 (and the norm
+finite) the updates were the exact ones, and the halves swap roles (commit);
+otherwise the step is redone from the untouched half with the true factor
+(exec/step.py). The plan of the other half is the same plan with the halves'
+names swapped (``halves.mirror``). Only optimizer state on NVMe is
+double-buffered: there the second half costs disk space only, where in memory
+it would cost a second copy of the state.
 """
 
 from __future__ import annotations
@@ -48,10 +69,11 @@ from .codec import parse_codec, scheme
 from .dtypes import ELEMENT_BYTES, FIXED_STATE_DTYPES
 from .ops import (GLOBAL_UNIT, Compute, Decode, Encode, Gather, GradNorm, NormReduce, OptimStep, Pull, Push, Reduce,
                   ShardId, ShardInfo)
-from .spec import OPTIMIZER_KINDS, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, ceil_div
+from .spec import (OPTIMIZER_KINDS, SECOND_HALF, STATE_KINDS, ModelSpec, Placement, Strategy, align_up, base_kind,
+                   ceil_div, half_kind)
 
-__all__ = ["Need", "Step", "build_layout", "build_steps", "comm_groups", "element_bytes", "final_points",
-           "group_members", "home_of"]
+__all__ = ["Need", "Step", "build_layout", "build_restore_steps", "build_steps", "check_double_buffer", "comm_groups",
+           "element_bytes", "final_points", "group_members", "home_of"]
 
 NORM_BYTES = ELEMENT_BYTES[FIXED_STATE_DTYPES["norm"]]
 """A squared norm is one float64."""
@@ -63,6 +85,9 @@ class Need:
     tier: str
     mode: str
     """``r`` (read the latest version), ``w`` (overwrite: no load needed) or ``rw``."""
+    into: ShardId | None = None
+    """A ``w`` need only: write the copy into the bytes of this shard's copy on the same tier, which the step
+    also reads and then consumes ([Note: taking over a copy] in ops.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +131,7 @@ def element_bytes(model: ModelSpec, state: str) -> int:
 def home_of(state: str, placement: Placement) -> str:
     """Home tier of any shard kind: the placement's for states; workspaces live where they are made
     (communication buffers on the device, the updated slice and norms with the optimizer)."""
-    if state in STATE_KINDS or state == "residual":
+    if base_kind(state) in STATE_KINDS or state == "residual":
         return placement.home(state)  # a residual is fp32 state beside the moments
     return "device" if state in ("param_full", "grad_full", "grad_slice", "grad_code", "grad_codes") \
         else placement.optim_tier
@@ -136,6 +161,8 @@ def build_layout(model: ModelSpec, strategy: Strategy) -> dict[ShardId, ShardInf
     layout: dict[ShardId, ShardInfo] = {}
     ways = strategy.shard_ways
     states = ("param", "grad") if strategy.name == "node" else STATE_KINDS
+    if model.double_buffer:
+        states += tuple(SECOND_HALF.values())  # [Note: speculative updates]
     for u, unit in enumerate(model.units):
         part = ceil_div(unit.num_params, ways)
         for state in states + _workspaces(model, strategy):
@@ -376,10 +403,35 @@ class _Sequence:
         """The update of this rank's part of unit ``u``; zero1/2 then gather the full parameters."""
         tier, waits = self.optim_tier, self.model.optimizer_waits_for_backward
         needs = self.needs((u,), self.gkind, tier, "r")
-        needs += tuple(n for s in OPTIMIZER_KINDS for n in self.needs((u,), s, tier, "rw"))
+        needs += self.state_needs(u)
         needs += self.needs((u,), self.pkind, tier, "w")
         if waits and _tracks_norm(self.model, self.strategy):
             needs += self.needs((GLOBAL_UNIT,), "norm", tier, "r")  # [Note: clipping] in exec/step.py
+        self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.elements(u, "master"), tier=tier), needs)
+        if self.pkind == "param_slice":
+            self.collective(Gather, "gather", u, "all_gather", self.full_bytes(u, "param"),
+                            self.needs((u,), "param_slice", "device", "r") + self.needs((u,), "param", "device", "w"))
+
+    def state_needs(self, u: int) -> tuple[Need, ...]:
+        """The optimizer state an update of ``u`` reads and writes: in place, or from the current half into the
+        other one, taking over the staging copies ([Note: speculative updates])."""
+        tier = self.optim_tier
+        if not self.model.double_buffer:
+            return tuple(n for s in OPTIMIZER_KINDS for n in self.needs((u,), s, tier, "rw"))
+        out: tuple[Need, ...] = ()
+        half = self.model.state_half
+        for state in OPTIMIZER_KINDS:
+            old, new = half_kind(state, half), half_kind(state, 1 - half)
+            for a, b in zip(self.shards_of[(u, old)], self.shards_of[(u, new)], strict=True):
+                out += (Need(a, tier, "r"), Need(b, tier, "w", into=a))
+        return out
+
+    def restore(self, u: int) -> None:
+        """The compute copy of ``u``'s parameters from the current half of its master weights (what they were
+        before a speculative update overwrote them); zero1/2 then gather them."""
+        tier = self.optim_tier
+        master = half_kind("master", self.model.state_half)
+        needs = self.needs((u,), master, tier, "r") + self.needs((u,), self.pkind, tier, "w")
         self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.elements(u, "master"), tier=tier), needs)
         if self.pkind == "param_slice":
             self.collective(Gather, "gather", u, "all_gather", self.full_bytes(u, "param"),
@@ -395,9 +447,32 @@ class _Sequence:
         self.collective(NormReduce, "reduce", GLOBAL_UNIT, "all_reduce" if sliced else "local", NORM_BYTES, needs)
 
 
+def check_double_buffer(model: ModelSpec, strategy: Strategy, placement: Placement) -> None:
+    """Raises ``ValueError`` unless ``model``'s optimizer state may be double-buffered under ``placement``
+    ([Note: speculative updates]): it lives on NVMe, on workers that hold it."""
+    if not model.double_buffer:
+        return
+    if strategy.name == "node" or placement.optimizer != "nvme":
+        raise ValueError(f"a double-buffered optimizer state lives on NVMe, in the process that runs the optimizer: "
+                         f"not under strategy {strategy.name} with the optimizer state on {placement.optimizer}")
+
+
+def build_restore_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
+                        layout: dict[ShardId, ShardInfo]) -> list[Step]:
+    """The steps that put back the parameters a speculative update overwrote, from the current half of the
+    master weights, unit by unit ([Note: speculative updates]): before a step is redone."""
+    check_double_buffer(model, strategy, placement)
+    assert model.double_buffer, "only a double-buffered layout keeps the master weights a step started from"
+    seq = _Sequence(model, strategy, placement, layout)
+    for u in reversed(range(len(model.units))):
+        seq.restore(u)
+    return seq.steps
+
+
 def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
                 layout: dict[ShardId, ShardInfo]) -> list[Step]:
     """The logical ops of one step, in the order the plan lists them."""
+    check_double_buffer(model, strategy, placement)
     seq = _Sequence(model, strategy, placement, layout)
     num_units = len(model.units)
     if model.optimizer_only:

@@ -15,23 +15,42 @@ from typing import Any
 from .codec import COMPRESSING_STRATEGIES, parse_codec
 
 __all__ = [
-    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "DATA_PARALLEL", "STRATEGIES", "ALIGN_BYTES",
+    "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "DATA_PARALLEL", "STRATEGIES", "ALIGN_BYTES", "SECOND_HALF",
     "UnitSpec", "ModelSpec", "Placement", "Budgets", "HardwareProfile", "Strategy", "forward_flops_per_token",
+    "base_kind", "half_kind",
 ]
 
 TIERS = ("device", "host", "nvme")
 """Fastest first. Data moves only between neighbours: device <-> host <-> nvme."""
 STATE_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
-PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq", "residual"})
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+SECOND_HALF = {"master": "master_b", "exp_avg": "exp_avg_b", "exp_avg_sq": "exp_avg_sq_b"}
+"""The twin of each optimizer state kind in a double-buffered layout (``ModelSpec.double_buffer``): the two
+halves take turns holding the current version ([Note: speculative updates] in sequence.py)."""
+PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq", "residual", *SECOND_HALF.values()})
 """Kinds that outlive a step; ``grad`` is dead once the optimizer consumed it. ``residual`` (a compressing
 strategy's error feedback, [Note: codecs on the wire] in codec.py) exists only where a unit is compressed."""
-OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 """The strategies of several ranks that each run the optimizer on their own copy or shard of the state:
 ``TrainConfig.strategy == "auto"`` picks among them (engine/strategy.py)."""
 STRATEGIES = ("local", *DATA_PARALLEL, "node")
 """Every strategy, the one list the planner, ``TrainConfig.strategy`` (``--strategy``) and the CLI's help
 take theirs from: one process (``local``), the data-parallel family, and workers with an optimizer node."""
+
+_FIRST_HALF = {b: a for a, b in SECOND_HALF.items()}
+
+
+def base_kind(state: str) -> str:
+    """The optimizer kind a second-half kind twins (``master_b`` -> ``master``); any other kind itself."""
+    return _FIRST_HALF.get(state, state)
+
+
+def half_kind(state: str, half: int) -> str:
+    """The kind that holds optimizer ``state`` (``master``, ``exp_avg`` or ``exp_avg_sq``) in ``half`` 0 or 1
+    of a double-buffered layout; any other state is its own in both."""
+    return SECOND_HALF.get(state, state) if half else state
+
+
 PLACEMENT_CHOICES = ("device", "host", "nvme", "auto")
 ALIGN_BYTES = 4096
 """O_DIRECT alignment: every state buffer and chunk is a multiple of this."""
@@ -116,6 +135,14 @@ class ModelSpec:
     """Plan only the forward of every unit, the last one included, for one micro-batch (evaluation): no
     gradients, no optimizer. With the same units, placement and budgets it lays out the store exactly as the
     training plan does, so both run over one store."""
+    double_buffer: bool = False
+    """The optimizer state (on NVMe) has two halves, ``master`` and ``master_b`` and so on: an update reads the
+    current half and writes the other one, leaving the current one untouched. Without
+    ``optimizer_waits_for_backward`` the updates then run as gradients are final, before the step's norm is
+    known, and the step is committed or redone once it is ([Note: speculative updates] in sequence.py)."""
+    state_half: int = 0
+    """Which half of a double-buffered optimizer state the step reads (0: ``master``, 1: ``master_b``); it
+    writes the other."""
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -131,6 +158,8 @@ class ModelSpec:
                              f"tokens_per_step={self.tokens_per_step}")
         if self.optimizer_only and self.forward_only:
             raise ValueError("ModelSpec: optimizer_only and forward_only exclude each other")
+        if self.state_half not in (0, 1) or (self.state_half and not self.double_buffer):
+            raise ValueError(f"ModelSpec.state_half={self.state_half}: 0, or 1 with double_buffer")
         for i, unit in enumerate(self.units):
             bad = [r for r in unit.reads if not 0 <= r < len(self.units) or r == i or unit.reads.count(r) > 1]
             if bad:
@@ -353,6 +382,7 @@ class Strategy:
     def sharded(self, state: str) -> bool:
         """Whether this rank holds only 1/shard_ways of ``state`` (ZeRO's table: zero1 shards the
         optimizer state, zero2 also the gradients, zero3 and hsdp also the parameters)."""
+        state = base_kind(state)  # both halves of a double-buffered state alike
         kinds = {"zero1": OPTIMIZER_KINDS, "zero2": OPTIMIZER_KINDS + ("grad",)}.get(self.name)
         if kinds is not None:
             return state in kinds

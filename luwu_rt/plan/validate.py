@@ -29,8 +29,9 @@ import bisect
 from .ops import (COMM_QUEUES, Collective, Free, Gather, Load, NormReduce, Op, Pull, Push, Recv, Reduce, Serve, ShardId,
                   Store, SwapPlan, Wait)
 from .sequence import group_members
+from .steady import periods
 from .sizes import format_size
-from .spec import PERSISTENT_KINDS, TIERS
+from .spec import TIERS
 
 __all__ = ["PlanError", "validate", "validate_ranks"]
 
@@ -56,6 +57,7 @@ class _Copy:
 class _Replay:
     def __init__(self, plan: SwapPlan) -> None:
         self.plan = plan
+        self.persistent = plan.persistent_kinds
         self.copies: dict[tuple[ShardId, str], _Copy] = {}
         self.latest: dict[ShardId, int] = dict.fromkeys(plan.shards, 0)
         self.used = dict.fromkeys(TIERS, 0)
@@ -163,11 +165,37 @@ class _Replay:
             versions.append(copy.version)
         if isinstance(op, (Load, Store)):
             self.check_move(op)
+        if op.consumes:
+            self.consume(op)
         for acc in op.inputs:
-            self.copies[(acc.shard, acc.tier)].readers.append(i)
+            if acc not in op.consumes:
+                self.copies[(acc.shard, acc.tier)].readers.append(i)
         for acc in op.outputs:
             self.write(acc, versions[0] if isinstance(op, (Load, Store)) else self.latest[acc.shard] + 1)
             self.copies[(acc.shard, acc.tier)].in_flight = i if isinstance(op, Collective) else None
+
+    def consume(self, op: Op) -> None:
+        """The op takes over the bytes of its consumed inputs for outputs at the same slots ([Note: taking over
+        a copy] in ops.py): each goes without a ``Free``, once nothing else may use it."""
+        for acc in op.consumes:
+            if acc not in op.inputs or not any(o.tier == acc.tier and o.slot == acc.slot and
+                                               self.plan.shards[o.shard].nbytes == self.plan.shards[acc.shard].nbytes
+                                               for o in op.outputs):
+                raise self.fail(f"consumes {acc.shard} on {acc.tier}, which is not one of its inputs with an output of "
+                                f"the same size in its bytes")
+            if acc.tier == self.plan.homes[acc.shard.state]:
+                raise self.fail(f"consumes the home copy of {acc.shard} on {acc.tier}")
+            copy = self.copies[(acc.shard, acc.tier)]
+            racing = [r for r in copy.readers + [copy.writer] if not self.before(r)]
+            if racing:
+                raise self.fail(f"consumes {acc.shard} on {acc.tier} while op(s) {racing} may still use it")
+            others = [t for (s, t), c in self._copies_of(acc.shard) if t != acc.tier and c.version == copy.version]
+            if not others:
+                raise self.fail(f"consumes the only up-to-date copy of {acc.shard} (on {acc.tier})")
+            self.copies.pop((acc.shard, acc.tier))
+            self.used[acc.tier] -= self.plan.shards[acc.shard].nbytes
+            if acc.tier != "nvme":
+                self.live[acc.tier].pop(acc.slot)  # the output takes these bytes now: no Free to wait for
 
     def check_collective(self, i: int, op: Op) -> None:
         """A start has what its kind needs and runs on the queue of its group; a wait matches one start."""
@@ -218,7 +246,7 @@ class _Replay:
         if racing:
             raise self.fail(f"frees {op.shard} on {op.tier} while op(s) {racing} may still use it")
         latest = self.latest[op.shard]
-        needed = op.shard.state in PERSISTENT_KINDS or self._read_next(op.shard)
+        needed = op.shard.state in self.persistent or self._read_next(op.shard)
         others = [t for (s, t), c in self._copies_of(op.shard) if t != op.tier and c.version == latest]
         if needed and copy.version == latest and not others:
             raise self.fail(f"drops the only up-to-date copy of {op.shard} (on {op.tier}) before it was persisted")
@@ -242,23 +270,46 @@ class _Replay:
         for shard in self.plan.shards:
             home = self.plan.homes[shard.state]
             for (_, tier), copy in self._copies_of(shard):
-                if tier != home or shard.state not in PERSISTENT_KINDS:
+                if tier != home or shard.state not in self.persistent:
                     raise PlanError(f"end of plan: {shard} is still resident on {tier}; a step must end with "
                                     f"only home copies so that the next step starts from the same state")
-            if shard.state in PERSISTENT_KINDS:
+            if shard.state in self.persistent:
                 copy = self.copies.get((shard, home))
                 if copy is None or copy.version != self.latest[shard]:
                     raise PlanError(f"end of plan: the latest version of {shard} never reached its home on {home}")
 
 
 def validate(plan: SwapPlan) -> None:
-    """Raise ``PlanError`` at the first op of ``plan`` that breaks an invariant."""
+    """Raise ``PlanError`` at the first op of ``plan`` that breaks an invariant; for a plan that is one period of
+    a pipeline ([Note: steady state] in steady.py), also at the first op of two periods run back to back that
+    does."""
+    _replay(plan)
+    if plan.wrap_deps or plan.tail:
+        _check_tail(plan)
+        try:
+            _replay(periods(plan, 2))
+        except PlanError as exc:
+            raise PlanError(f"wrap-around into the next period (ops {len(plan.ops)}.. are the next period's): "
+                            f"{exc}") from None
+
+
+def _replay(plan: SwapPlan) -> None:
     replay = _Replay(plan)
     for shard, slot in plan.home_slots.items():
         replay.add(shard, plan.homes[shard.state], slot, 0, None)
     for i, op in enumerate(plan.ops):
         replay.step(i, op)
     replay.finish()
+
+
+def _check_tail(plan: SwapPlan) -> None:
+    """A run returns before its tail has run, and the next step's handlers start while it does: only write-backs
+    and frees, which call no handler, may be in it."""
+    if len(plan.wrap_deps) != len(plan.ops):
+        raise PlanError(f"{len(plan.wrap_deps)} lists of wrap dependencies for {len(plan.ops)} ops")
+    for i in plan.tail:
+        if not isinstance(plan.ops[i], (Store, Free)):
+            raise PlanError(f"op {i} ({plan.ops[i].kind}) is in the tail: only Store and Free ops may be")
 
 
 def _signature(op: Collective, plan: SwapPlan) -> tuple:

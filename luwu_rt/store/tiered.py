@@ -7,19 +7,23 @@ model, writing and reading checkpoints, exporting - goes through
 ``read_state`` / ``write_state``, which address a unit's whole flat buffer of
 one state kind at its home, wherever that is. Several plans (a training step,
 an evaluation pass) run over one store as long as they agree on the layout
-(``check_plan``).
+(``check_plan``). A double-buffered optimizer state ([Note: speculative
+updates] in plan/sequence.py) has two halves, of which ``half`` is current:
+``read_state`` and ``write_state`` of ``master`` address that one, so that
+checkpoints, exports and tests read the state as it is whichever half holds it.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from luwu_rt.io import aligned_empty
 from luwu_rt.plan.ops import Access, ShardId, ShardInfo, SwapPlan
+from luwu_rt.plan.spec import SECOND_HALF, half_kind
 from luwu_rt.store.arena import Arena
 from luwu_rt.store.nvme import NvmeTier
 
@@ -63,6 +67,13 @@ class TieredStore:
         self.arenas = dict(arenas)
         self.nvme = nvme
         self.offsets = element_offsets(plan.shards)
+        self.double_buffered = any(s.state in SECOND_HALF.values() for s in plan.shards)
+        """Whether the optimizer state has two halves ([Note: speculative updates] in plan/sequence.py)."""
+        self.half = 0
+        """The half of a double-buffered optimizer state that holds its current version."""
+        self.settle: Callable[[], None] | None = None
+        """Called before a whole-unit read or write: waits until no run is still writing the tiers (the tail of a
+        step in a pipeline, [Note: steady state] in plan/steady.py)."""
         self._io = None
         self._lock = None  # of the NVMe directory, when create() made the tier
         self._scratch: Path | None = None  # the tier's directory, removed by close() (create(scratch=True))
@@ -131,32 +142,46 @@ class TieredStore:
 
     # -- whole units (materialisation, checkpoints, export) ------------------------------------
 
+    def swap_halves(self) -> None:
+        """After a step that updated a double-buffered optimizer state: the half it wrote is the current one."""
+        assert self.double_buffered, "the store has one half of the optimizer state"
+        self.half ^= 1
+
     def _unit_shards(self, unit: int, state: str) -> list[ShardId]:
+        state = half_kind(state, self.half) if self.double_buffered else state
         shards = [s for s in self.shards if s.unit == unit and s.state == state]
         if not shards:
             raise KeyError(f"the store has no {state!r} shards for unit {unit}")
         return shards
 
+    def _settled(self) -> None:
+        if self.settle is not None:
+            self.settle()
+
     def write_state(self, unit: int, state: str, values: torch.Tensor) -> None:
         """Sets the home copy of a unit's whole flat buffer of ``state`` (a persistent kind, or the
-        gradients of an optimizer-only plan). Call ``flush()`` after the last."""
+        gradients of an optimizer-only plan; the current half of a double-buffered one). Call ``flush()`` after
+        the last."""
+        self._settled()
         for sid in self._unit_shards(unit, state):
             info, start = self.shards[sid], self.offsets[sid]
             part = values[start : start + info.numel]
-            if self.homes[state] == "nvme":
+            if self.homes[sid.state] == "nvme":
                 staging = aligned_empty(info.nbytes)
                 staging.view(values.dtype)[: info.numel].copy_(part)
-                self.nvme.wait(self.nvme.submit_write(unit, state, first_chunk=info.first_chunk, buffer=staging))
+                self.nvme.wait(self.nvme.submit_write(unit, sid.state, first_chunk=info.first_chunk, buffer=staging))
             else:
                 self.home_view(sid).view(values.dtype)[: info.numel].copy_(part)
 
     def read_state(self, unit: int, state: str, out: torch.Tensor) -> torch.Tensor:
-        """Copies the home copy of a unit's flat buffer of ``state`` into ``out``; returns ``out``."""
+        """Copies the home copy of a unit's flat buffer of ``state`` (the current half of a double-buffered one)
+        into ``out``; returns ``out``."""
+        self._settled()
         for sid in self._unit_shards(unit, state):
             info, start = self.shards[sid], self.offsets[sid]
-            if self.homes[state] == "nvme":
+            if self.homes[sid.state] == "nvme":
                 staging = aligned_empty(info.nbytes)
-                self.nvme.wait(self.nvme.submit_read(unit, state, first_chunk=info.first_chunk, buffer=staging))
+                self.nvme.wait(self.nvme.submit_read(unit, sid.state, first_chunk=info.first_chunk, buffer=staging))
             else:
                 staging = self.home_view(sid)
             out[start : start + info.numel].copy_(staging.view(out.dtype)[: info.numel])
@@ -164,6 +189,7 @@ class TieredStore:
 
     def flush(self) -> None:
         """Makes every completed NVMe write durable (a no-op without an NVMe tier)."""
+        self._settled()
         if self.nvme is not None:
             self.nvme.flush()
 

@@ -132,7 +132,7 @@ def test_queues_threads_live_until_close_and_are_joined() -> None:
 
 def test_every_plan_queue_has_a_stream_and_a_reason() -> None:
     assert set(QUEUE_STREAMS) == set(QUEUES)
-    assert all(kind in ("host", "device") and why for kind, why in QUEUE_STREAMS.values())
+    assert all(kind in ("host", "device", "io") and why for kind, why in QUEUE_STREAMS.values())
     with Queues() as queues, pytest.raises(KeyError, match="no queue 'disk'"):
         queues.stream("disk")
 

@@ -132,3 +132,49 @@ def test_step_must_end_with_only_home_copies():
 def test_dependencies_point_backwards():
     with pytest.raises(PlanError, match="not an earlier op"):
         validate(plan_of(load(P, 0, deps=(0,))))
+
+
+MB = ShardId(0, "master_b", 0)
+"""The second half of ``M`` in a double-buffered layout ([Note: speculative updates] in sequence.py)."""
+
+
+S = 4 * N
+"""Where M's staging copy lives on the host (P's home is at 0)."""
+
+
+def _double_buffered(*, racing_reader: bool = False, consume=None, output_slot: int = S):
+    """M loaded from NVMe into host slot S, updated there into MB (consuming M's copy), MB written home."""
+    m_host = Access(M, "host", S)
+    consume = m_host if consume is None else consume
+    update = optim(inputs=(m_host, Access(P, "host", 0)) if consume.shard == P else (m_host,),
+                   outputs=(Access(MB, "host", output_slot),), deps=(0,))
+    update = OptimStep(deps=update.deps, queue="optim", unit=0, num_params=1, tier="host", inputs=update.inputs,
+                       outputs=update.outputs, consumes=(consume,))
+    ops = [load(M, S, src=("nvme", None), dst="host")]
+    if racing_reader:  # reads M's host copy, and the update does not wait for it
+        ops.append(load(M, 2 * N, src=("host", S), deps=(0,)))
+    ops += [update, Store(deps=(len(ops),), queue="nvme_write", nbytes=N, inputs=(Access(MB, "host", output_slot),),
+                          outputs=(Access(MB, "nvme", None),))]
+    ops.append(free(MB, "host", output_slot, deps=(len(ops) - 1,)))
+    if racing_reader:
+        ops.append(free(M, "device", 2 * N, deps=(1,)))
+    return plan_of(*ops, shards=(P, M, MB), homes={"master_b": "nvme"})
+
+
+def test_an_update_may_take_over_the_bytes_of_the_copy_it_reads():
+    validate(_double_buffered())
+
+
+def test_taking_over_a_copy_another_op_may_still_read_is_rejected():
+    with pytest.raises(PlanError, match="consumes .* while op\\(s\\) \\[1\\] may still use it"):
+        validate(_double_buffered(racing_reader=True))
+
+
+def test_taking_over_a_home_copy_is_rejected():
+    with pytest.raises(PlanError, match="consumes the home copy"):
+        validate(_double_buffered(consume=Access(P, "host", 0), output_slot=0))
+
+
+def test_a_taken_over_copy_must_become_an_output_in_its_bytes():
+    with pytest.raises(PlanError, match="not one of its inputs with an output of the same size in its bytes"):
+        validate(_double_buffered(output_slot=S + N))
