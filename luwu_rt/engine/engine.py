@@ -48,6 +48,7 @@ from luwu_rt.ckpt.format import CheckpointReader, new_run_id, run_checkpoints
 from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
 from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig, resumed_settings
+from luwu_rt.engine.hwprofile import choose_profile, per_rank
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
@@ -200,7 +201,13 @@ class Engine:
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size)
-        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets, placement=placement)
+        # Placement and strategy "auto" choose by predicted step time: on this machine's figures where known.
+        # Rank 0's profile for every rank: a rank on another machine with a cached calibration of its own would
+        # otherwise plan differently.
+        self.profile_choice = world.all_gather_object(choose_profile(self.config.profile))[0]
+        profile = per_rank(self.profile_choice, local_ranks=world.local_size)
+        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets, placement=placement,
+                                            profile=profile)
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost

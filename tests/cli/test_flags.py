@@ -80,7 +80,7 @@ def test_train_help_lists_the_choices() -> None:
 GIVEN = {"--model": "gpt-small", "--init-from": "w.safetensors", "--steps": "7", "--batch-size": "3",
          "--seq-len": "32", "--grad-accum": "2", "--dtype": "bf16", "--seed": "5", "--eval-every": "0",
          "--trace": "t.json", "--json-log": "-log.jsonl", "--keep-graphs": "2", "--io-backend": "threads",
-         "--strategy": "hsdp", "--node": "tcp://h:1", "--node-key": "k", "--shard-group-size": "2",
+         "--strategy": "hsdp", "--node": "tcp://h:1", "--node-key": "k", "--shard-group-size": "2", "--profile": "hw.json",
          "--timeout": "12.5", "--data": "d.bin", "--data-dtype": "uint32", "--tokenizer": "tok",
          "--text-field": "body", "--offload-params": "host", "--offload-optimizer": "nvme", "--offload-grads": "host",
          "--device-mem": "1GiB", "--host-mem": "2GiB", "--nvme-dir": "nv", "--keep-nvme-state": None,
