@@ -18,6 +18,8 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("train",), "luwu_rt.cli.train", "train a model larger than the device and host budgets (default: gpt-tiny)"),
     (("ckpt",), "luwu_rt.cli.ckpt", "list, verify and export checkpoints (safetensors or torch.save)"),
     (("plan",), "luwu_rt.cli.plan", "plan a training step: where each state lives, peak memory, IO and step time"),
+    (("calibrate",), "luwu_rt.cli.calibrate", "measure this machine (disk, copies, optimizer, compute, network) into "
+                                              "the hardware profile the planner predicts with"),
     (("plot",), "luwu_rt.cli.plot", "plot a run's --json-log: loss, tokens/s and where the step time went"),
     (("node", "serve"), "luwu_rt.cli.node", "run an optimizer node for luwu train --strategy node (over ZeroMQ)"),
     (("node", "keygen"), "luwu_rt.cli.node_keygen", "make CURVE keys for an optimizer node and its workers"),

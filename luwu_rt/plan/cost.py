@@ -170,6 +170,8 @@ class _Costs:
         nbytes = _buffer_bytes(op)
         ranks = 2 if op.collective in ("send", "recv") else op.group_size
         seconds = collective_seconds(op.collective, nbytes=nbytes, ranks=ranks, latency_s=latency, gbps=gbps)
+        if op.collective in ("reduce_scatter", "all_gather") and op.group in ("world", "replica", "shard"):
+            seconds *= p.shard_collective_factor
         if isinstance(op, Recv) and self.plan is not None:
             # Summing arrives chunk by chunk beside the transfer: the slower of the two sets the pace.
             numel = sum(self.plan.shards[a.shard].numel for a in op.outputs)

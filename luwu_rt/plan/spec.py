@@ -222,6 +222,11 @@ class HardwareProfile:
     """The optimizer node's NVMe -> host reads, GB/s."""
     node_nvme_write_gbps: float = 2.0
     """The optimizer node's host -> NVMe writes, GB/s."""
+    shard_collective_factor: float = 1.0
+    """Time of a reduce-scatter or an all-gather over what the ring model of [Note: collective cost] in cost.py
+    gives at ``net_gbps``/``group_gbps`` (fitted to the all-reduce): 1 for a ring, as NCCL runs them; ``luwu
+    calibrate`` measured about 2 for gloo between two CPU processes, whose reduce-scatter and all-gather of a
+    buffer take as long as its all-reduce."""
     cpu_overlap: float = 1.0
     """How much of the work of the queues that share the host's cores (``SHARED_CORE_QUEUES`` in cost.py:
     compute, the host optimizer, the copies) hides behind the busiest of them when they run at once, 0 to 1:
