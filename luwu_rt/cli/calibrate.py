@@ -35,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true", help="write only --out, not this machine's cache")
     parser.add_argument("--model", default="gpt-small", metavar="PRESET",
                         help="model whose units' compute rate becomes compute_flops (default gpt-small)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step of that model (default 8)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step of that model (default 4)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="compute dtype (default fp32)")
-    parser.add_argument("--nvme-mb", type=int, default=256, help="MiB per NVMe measurement (default 256)")
+    parser.add_argument("--nvme-mb", type=int, default=128, help="MiB per NVMe measurement (default 128)")
     parser.add_argument("--net-mib", type=int, default=16, help="MiB per collective and per node-protocol "
                                                                 "transfer (default 16)")
     parser.add_argument("--optim-numel", type=int, default=1 << 23,

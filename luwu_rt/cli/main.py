@@ -25,6 +25,8 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("node", "keygen"), "luwu_rt.cli.node_keygen", "make CURVE keys for an optimizer node and its workers"),
     (("bench", "io"), "luwu_rt.cli.bench_io", "O_DIRECT write/read throughput of the IO engine on a directory"),
     (("bench", "offload-step"), "luwu_rt.cli.bench_offload", "one AdamW step with optimizer state on NVMe vs the IO bound"),
+    (("bench", "e2e"), "luwu_rt.cli.bench_e2e", "training steps end to end per strategy and placement, beside the "
+                                               "planner's predicted step"),
     (("bench", "optim"), "luwu_rt.cli.bench_optim", "optimizer step throughput: our backends vs peers vs memory"),
 )
 

@@ -15,12 +15,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["collectives", "compute_rate", "copy_gbps", "mem_gbps", "mixed_io_seconds", "nvme", "optimizer_rate",
-           "overlap", "zmq_latency_s", "zmq_protocol_gbps"]
+__all__ = ["collectives", "compute_rate", "copy_gbps", "matmul_flops", "mem_gbps", "mixed_io_seconds", "nvme",
+           "optimizer_rate", "overlap", "zmq_latency_s", "zmq_protocol_gbps"]
 
 _GB = 1e9
 _NVME_BLOCKS_KB = (256, 1024, 4096)
-_NVME_DEPTHS = (8, 32, 64)
+_NVME_DEPTHS = (8, 32)
 
 
 def _median_time(fn: Callable[[], Any], *, repeats: int) -> float:
@@ -172,7 +172,7 @@ def matmul_flops(*, n: int = 1024, device: str = "cpu", dtype: str = "fp32", rep
     return 2 * n**3 / _median_time(mm, repeats=repeats)
 
 
-def compute_rate(model: str, *, batch_size: int, seq_len: int, dtype: str = "fp32", steps: int = 3,
+def compute_rate(model: str, *, batch_size: int, seq_len: int, dtype: str = "fp32", steps: int = 4,
                  keep_graphs: str = "auto") -> dict:
     """The FLOP/s the cost model should take for ``model``: the plan's FLOPs of a step over the compute queue's
     busy time in real steps of the engine (units forward and backward as the engine runs them: kept graphs,

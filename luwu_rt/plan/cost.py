@@ -551,13 +551,14 @@ def _queue_load(busy: Mapping[str, float], prefix: str, *, cpu_overlap: float = 
     return load
 
 
-SHARED_CORE_QUEUES = ("compute", "optim", "h2d", "d2h")
+SHARED_CORE_QUEUES = ("compute", "optim", "h2d", "d2h", "gather", "reduce", "reduce_cross", "push", "pull")
 """[Note: shared cores]
 Queues whose work may run on the host's cores: the optimizer on the host, and, where the device is the CPU
-itself, the compute and the copies between the "device" arena and the host. Each queue is timed at the rate
+itself, the compute, the copies between the "device" arena and the host, and the collectives and node
+transfers (gloo and ZeroMQ reduce and copy on the CPU; over loopback the transfer itself is a copy). Each queue is timed at the rate
 measured alone, but on a machine with few cores the queues running at once share them: measured on 2 cores
 (``luwu calibrate``), a matmul, the fused optimizer and a copy together took about the sum of their times
 alone. So, like the disk, a step takes at least ``sum - cpu_overlap * (sum - max)`` of these queues' busy
-times: with ``cpu_overlap`` 1 (a GPU machine: the device computes, DMA engines copy) only the busiest,
-with 0 their sum. A bound on the whole step, not a slower op: where the work overlaps within the step is
+times: with ``cpu_overlap`` 1 (a GPU machine: the device computes, DMA engines copy, NCCL reduces) only the
+busiest, with 0 their sum. A bound on the whole step, not a slower op: where the work overlaps within the step is
 left to the critical path."""
