@@ -60,3 +60,12 @@ def no_chaos(monkeypatch: pytest.MonkeyPatch) -> None:
     of a plain/chaos pair."""
     monkeypatch.delenv(CHAOS_ENV, raising=False)
 
+
+
+# [Note: which profile] in engine/hwprofile.py: `luwu plan`, `luwu train` and the engine plan with this machine's
+# cached calibration when there is one. The tests (and the processes they start, which inherit the environment)
+# get an empty cache of their own, so that a `luwu calibrate` run on this machine changes no prediction they check.
+import os as _os  # noqa: E402
+import tempfile as _tempfile  # noqa: E402
+
+_os.environ["LUWU_CACHE_DIR"] = _tempfile.mkdtemp(prefix="luwu-test-cache-")

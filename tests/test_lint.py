@@ -1,5 +1,5 @@
 """The project's static and test-run settings hold: ``ruff check`` (its rules in pyproject.toml) passes on the
-package, its tests and its benchmarks, and a warning raised from the package's own code fails a test."""
+package, its tests, its benchmarks and tools, and a warning raised from the package's own code fails a test."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_ruff_comes_with_the_test_extra() -> None:
 
 @pytest.mark.skipif(_ruff() is None, reason="ruff is not installed: pip install 'luwu_rt[test]'")
 def test_ruff_check_passes() -> None:
-    result = subprocess.run([*_ruff(), "check", "--no-cache", "luwu_rt", "tests", "benchmarks"], cwd=ROOT,
+    result = subprocess.run([*_ruff(), "check", "--no-cache", "luwu_rt", "tests", "benchmarks", "tools"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -18,12 +18,16 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("train",), "luwu_rt.cli.train", "train a model larger than the device and host budgets (default: gpt-tiny)"),
     (("ckpt",), "luwu_rt.cli.ckpt", "list, verify and export checkpoints (safetensors or torch.save)"),
     (("plan",), "luwu_rt.cli.plan", "plan a training step: where each state lives, peak memory, IO and step time"),
+    (("calibrate",), "luwu_rt.cli.calibrate", "measure this machine (disk, copies, optimizer, compute, network) into "
+                                              "the hardware profile the planner predicts with"),
     (("plot",), "luwu_rt.cli.plot", "plot a run's --json-log: loss, tokens/s and where the step time went"),
     (("node", "serve"), "luwu_rt.cli.node", "run an optimizer node for luwu train --strategy node (over ZeroMQ)"),
     (("node", "keygen"), "luwu_rt.cli.node_keygen", "make CURVE keys for an optimizer node and its workers"),
     (("bench", "io"), "luwu_rt.cli.bench_io", "O_DIRECT write/read throughput of the IO engine on a directory"),
     (("bench", "offload-step"), "luwu_rt.cli.bench_offload",
      "one AdamW step with optimizer state on NVMe vs the IO bound"),
+    (("bench", "e2e"), "luwu_rt.cli.bench_e2e", "training steps end to end per strategy and placement, beside the "
+                                               "planner's predicted step"),
     (("bench", "optim"), "luwu_rt.cli.bench_optim", "optimizer step throughput: our backends vs peers vs memory"),
 )
 

@@ -39,6 +39,9 @@ _NOTES = {
     "nvme_dir": "it need not exist yet: the free space of its disk is the NVMe budget (without --nvme-dir: the "
                 "current directory's disk, where luwu train makes its scratch directory)",
     "strategy": "luwu plan also plans any strategy for --world-size ranks",
+    "profile": "the file's keys: {keys} (GB/s, seconds, per second, FLOP/s; missing keys keep the built-in "
+               "defaults, keys starting with _ are notes); `luwu bench io --dir DIR --profile-out FILE` writes the "
+               "NVMe keys of DIR's disk into FILE",
 }
 _PLANNED_NODE = "tcp://planned-only:0"
 """The optimizer node's address in the config ``luwu plan`` builds for strategy node: ``TrainConfig`` wants the
@@ -54,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     # The flags of luwu train that a plan depends on, from the same table ([Note: one flag table] in flags.py):
     # the same defaults, the same choices, and luwu plan plans the run luwu train makes with them.
-    add_config_flags(parser, plans_only=True, notes=_NOTES)
+    add_config_flags(parser, plans_only=True, notes={**_NOTES, "profile": _profile_note()})
     parser.add_argument("--nvme-size", default=None,
                         help="NVMe budget instead of the free space of --nvme-dir (e.g. to plan for another box; 0: "
                              "no NVMe tier)")
@@ -69,7 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for state in ("params", "optimizer", "grads"):
         node.add_argument(f"--node-offload-{state}", default=None, choices=_NODE_TIER_CHOICES,
                           help=f"home tier of the node's {state} (default auto: fastest that fits)")
-    parser.add_argument("--profile", default=None, metavar="JSON", help=_profile_help())
     parser.add_argument("--policy", default="belady", metavar="belady|lru|MODULE:CLASS",
                         help="eviction and prefetch policy: a built-in, or a luwu_rt.plan.Policy subclass of your own "
                              "(imported from MODULE, made with no arguments) (default belady)")
@@ -92,28 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "`luwu train --trace` (Perfetto, chrome://tracing)")
 
 
-def _profile_help() -> str:
+def _profile_note() -> str:
     from dataclasses import fields
 
     from luwu_rt.plan.spec import HardwareProfile
 
-    keys = ", ".join(f.name for f in fields(HardwareProfile))
-    return (f"hardware profile: a JSON object of any of the keys {keys} (GB/s, seconds, per second, FLOP/s; "
-            f"missing keys keep the built-in defaults). `luwu bench io --dir DIR --profile-out FILE` writes the "
-            f"NVMe keys of DIR's disk into FILE; default: built-in")
-
-
-def _load_profile(path: str | None):
-    from luwu_rt.plan.spec import HardwareProfile
-
-    if path is None:
-        return HardwareProfile()
-    try:
-        return HardwareProfile.from_json(path)
-    except ValueError as exc:
-        # The likeliest wrong file is a bench's --json measurement, which is not a profile.
-        raise ValueError(f"--profile {path}: {exc} (`luwu bench io --dir DIR --profile-out {path}` writes one)") \
-            from None
+    return _NOTES["profile"].format(keys=", ".join(f.name for f in fields(HardwareProfile)))
 
 
 def _budgets(args: argparse.Namespace, config, *, device_type: str):
@@ -232,13 +218,19 @@ def run(args: argparse.Namespace) -> int:
     candidates = strategy if isinstance(strategy, list) else [strategy]
     strategy = candidates[0]
     placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
-    profile = _load_profile(args.profile)
+    from luwu_rt.engine.hwprofile import choose_profile, per_rank
+
+    # Chosen as the engine chooses ([Note: which profile]); the --world-size ranks share this machine, as the
+    # budgets take them to.
+    choice = choose_profile(config.profile)
+    profile = per_rank(choice, local_ranks=args.world_size)
     # "runnable" stays in the JSON for its readers: luwu train runs every strategy the planner plans.
     head = {"model": config.model, "params": model.num_params, "strategy": strategy.name,
             "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
             "activation_bytes": model.activation_bytes,
             "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
             "nvme_dir": _nvme_where(args, off.nvme_dir),
+            "profile": {"source": choice.source, "path": choice.path, "described": choice.describe()},
             "runnable": True}
     try:
         if len(candidates) > 1:  # auto: the strategy luwu train would pick
@@ -426,7 +418,7 @@ def _title(head: dict) -> str:
         nvme += f" at {head['nvme_dir']}"
     return (f"{head['model']}: {_count(head['params'])} params, strategy {head['strategy']}{world}, "
             f"{head['tokens_per_step']} tokens/step; budgets device {format_size(budgets['device'])}, "
-            f"host {format_size(budgets['host'])}, nvme {nvme}")
+            f"host {format_size(budgets['host'])}, nvme {nvme}; {head['profile']['described']}")
 
 
 def _tables(r: dict, *, who: str, tiers: tuple[str, ...]) -> list[str]:

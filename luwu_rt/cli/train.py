@@ -164,7 +164,7 @@ def _describe(engine) -> str:
     else:
         ranks = "; peak"
     return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
-            f"{', '.join(homes)}{ranks} {peaks}")
+            f"{', '.join(homes)}{ranks} {peaks}; planned with the {engine.profile_choice.describe()}")
 
 
 def _compression(strategy) -> str:

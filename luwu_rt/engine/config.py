@@ -16,6 +16,7 @@ from luwu_rt.config import flag, merge, upgrade_keys
 from luwu_rt.data import DataConfig
 from luwu_rt.plan.dtypes import DTYPE_NAMES
 from luwu_rt.engine.budgets import auto_help
+from luwu_rt.engine.hwprofile import PROFILE_WORDS
 from luwu_rt.io.engine import BACKENDS
 from luwu_rt.models.presets import PRESETS
 from luwu_rt.optim.config import OptimConfig
@@ -230,6 +231,13 @@ class TrainConfig:
         "hsdp: ranks per sharding group, e.g. the GPUs of one server (default {default}: min(8, world size))",
         aliases=("--group-size",), metavar="G", plans=True))
     """``hsdp``: ranks per sharding group (G), replicated across groups; 0 means min(8, world size)."""
+    profile: str | None = field(default=None, metadata=flag(
+        "hardware profile the planner predicts step times with (placement and strategy auto choose by them): a JSON "
+        "file (`luwu calibrate --out FILE` writes one), builtin (a GPU server), or auto (default: this machine's "
+        "calibration cached by `luwu calibrate`, else builtin)", metavar="FILE|auto|builtin", plans=True))
+    """Hardware profile of the cost model ([Note: which profile] in engine/hwprofile.py): a JSON file of
+    ``HardwareProfile`` keys, ``"builtin"``, or ``"auto"``/``None``: this machine's cached calibration, else
+    the built-in profile."""
     timeout_s: float = field(default=300.0, metadata=flag(
         "seconds a rank waits for the others before it exits naming the missing rank", name="--timeout",
         metavar="S"))
@@ -279,6 +287,9 @@ class TrainConfig:
             raise ValueError(f"shard_group_size must be an integer >= 0, got {self.shard_group_size!r}")
         if self.shard_group_size and self.strategy not in ("hsdp", "auto"):
             raise ValueError(f"--shard-group-size applies to --strategy hsdp only, not {self.strategy}")
+        if self.profile is not None and self.profile not in PROFILE_WORDS and not os.path.isfile(self.profile):
+            raise ValueError(f"--profile {self.profile}: no such file; give a JSON profile (`luwu calibrate --out "
+                             f"{self.profile}` writes one), auto or builtin")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got {self.timeout_s!r}")
         if self.eval_every < 0 or self.eval_batches <= 0:

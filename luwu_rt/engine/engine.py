@@ -48,6 +48,7 @@ from luwu_rt.ckpt.format import CheckpointReader, new_run_id, run_checkpoints
 from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
 from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig, resumed_settings
+from luwu_rt.engine.hwprofile import choose_profile, per_rank
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
@@ -58,7 +59,7 @@ from luwu_rt.exec import (Executor, LocalOptimizer, OptimizerPlace, OptimizerSte
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
-from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
+from luwu_rt.plan import Budgets, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk, wire_bytes
 from luwu_rt.plan.search import plan_speculative
 from luwu_rt.plan.spec import ceil_div
@@ -224,8 +225,13 @@ class Engine:
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size,
                                           compress=self.config.compress)
+        # Placement and strategy "auto" choose by predicted step time: on this machine's figures where known.
+        # Rank 0's profile for every rank: a rank on another machine with a cached calibration of its own would
+        # otherwise plan differently.
+        self.profile_choice = world.all_gather_object(choose_profile(self.config.profile))[0]
+        profile = per_rank(self.profile_choice, local_ranks=world.local_size)
         self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets,
-                                            placement=placement, compress=self.config.compress)
+                                            placement=placement, compress=self.config.compress, profile=profile)
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
@@ -233,7 +239,7 @@ class Engine:
         if self.halves is not None:  # the speculative plan is the step's plan; the others run when it is redone
             self.model_spec = replace(self.model_spec, double_buffer=True)
             self.plan = self.halves["speculate"][0]
-            self.predicted = estimate(self.plan, HardwareProfile())
+            self.predicted = estimate(self.plan, profile)
         self.wire_bytes = wire_bytes(self.plan)
         """Bytes this rank sends per step by the plan's collectives (compressed payloads as encoded)."""
         # Evaluation runs a forward-only plan (one micro-batch) over the same store: the same layout (which

@@ -50,8 +50,8 @@ from .sequence import group_members
 from .spec import TIERS, HardwareProfile
 from .steady import periods
 
-__all__ = ["Disturbance", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds", "couple", "estimate",
-           "op_seconds", "op_times", "steady_seconds", "step_cost", "step_seconds", "timelines"]
+__all__ = ["Disturbance", "SHARED_CORE_QUEUES", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds",
+           "couple", "estimate", "op_seconds", "op_times", "steady_seconds", "step_cost", "step_seconds", "timelines"]
 
 _GB = 1e9
 _LINK = {"nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps", "h2d": "h2d_gbps", "d2h": "d2h_gbps"}
@@ -178,6 +178,8 @@ class _Costs:
         nbytes = _buffer_bytes(op)
         ranks = 2 if op.collective in ("send", "recv") else op.group_size
         seconds = collective_seconds(op.collective, nbytes=nbytes, ranks=ranks, latency_s=latency, gbps=gbps)
+        if op.collective in ("reduce_scatter", "all_gather") and op.group in ("world", "replica", "shard"):
+            seconds *= p.shard_collective_factor
         if isinstance(op, Recv) and self.plan is not None:
             # Summing arrives chunk by chunk beside the transfer: the slower of the two sets the pace.
             numel = sum(self.plan.shards[a.shard].numel for a in op.outputs)
@@ -204,6 +206,8 @@ class Timeline(NamedTuple):
     """Seconds of work per queue (delays around ops not counted; a slowed or stalled op's whole span)."""
     io: dict[str, dict[str, int]]
     """tier -> {"read", "write"} bytes moved by the moves that completed."""
+    cpu_overlap: float = 1.0
+    """The profile's ``cpu_overlap``, for the step's bound of shared cores ([Note: shared cores])."""
 
     @property
     def times(self) -> tuple[tuple[float, float], ...]:
@@ -441,14 +445,15 @@ def timelines(plans: Sequence[SwapPlan], profile: HardwareProfile, *, synced: bo
             seconds[id(plan)] = [0.0 if op.queue == "mem" else costs.seconds(op) for op in plan.ops]
     lanes = [_Lane(r, plan, seconds[id(plan)], disturbance) for r, plan in enumerate(plans)]
     _Play(lanes, synced=synced, not_before=not_before or {}).run()
-    return tuple(lane.timeline() for lane in lanes)
+    return tuple(lane.timeline()._replace(cpu_overlap=profile.cpu_overlap) for lane in lanes)
 
 
 def step_seconds(run: Timeline) -> float:
     """Step time of one simulated rank: when its last op completes, and at least the time its disk is busy
-    reading and writing ([Note: one disk])."""
+    reading and writing ([Note: one disk]) and its shared cores are busy ([Note: shared cores])."""
     last = max((t for t in run.done if t != math.inf), default=0.0)
-    return max(last, _queue_load(run.busy, "").get("nvme", 0.0))
+    load = _queue_load(run.busy, "", cpu_overlap=run.cpu_overlap)
+    return max(last, load.get("nvme", 0.0), load.get("cores", 0.0))
 
 
 def _waits(plan: SwapPlan, kind: type) -> dict[int, int]:
@@ -535,11 +540,11 @@ def steady_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
 
 def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:
     """The ``StepCost`` of a simulated worker rank (``timelines``), with the optimizer node's run beside it."""
-    candidates = _queue_load(run.busy, "")
+    candidates = _queue_load(run.busy, "", cpu_overlap=run.cpu_overlap)
     predicted = step_seconds(run)
     node_fields = {}
     if node_run is not None:
-        node_load = _queue_load(node_run.busy, NODE_PREFIX)
+        node_load = _queue_load(node_run.busy, NODE_PREFIX, cpu_overlap=node_run.cpu_overlap)
         candidates.update(node_load)
         # Once per step the node must get through its busiest queue and its disk, whatever overlaps.
         predicted = max(predicted, max(node_load.values(), default=0.0))
@@ -549,15 +554,36 @@ def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:
     return StepCost(predicted_step_s=predicted, bottleneck=bottleneck, busy_s=run.busy, io_bytes=run.io, **node_fields)
 
 
-def _queue_load(busy: Mapping[str, float], prefix: str) -> dict[str, float]:
-    """Busy seconds per queue, and ``nvme`` for the disk ([Note: one disk]) when it is busier than any queue.
+def _queue_load(busy: Mapping[str, float], prefix: str, *, cpu_overlap: float = 1.0) -> dict[str, float]:
+    """Busy seconds per queue, ``nvme`` for the disk ([Note: one disk]) and ``cores`` for the shared cores
+    ([Note: shared cores]), each when it is busier than any queue.
 
     [Note: one disk] Reads and writes have their own queues so that neither waits behind the
     other, but one NVMe device serves both from one budget of time: measured here (luwu bench
     offload-step), reading and writing at once took about the sum of the two alone. So a step
     takes at least the two queues' busy time together, however well they overlap."""
     load = {prefix + q: s for q, s in busy.items()}
+    busiest = max(busy.values(), default=0.0)
     disk_s = busy.get("nvme_read", 0.0) + busy.get("nvme_write", 0.0)
-    if disk_s > max(busy.values(), default=0.0):
+    if disk_s > busiest:
         load[prefix + "nvme"] = disk_s
+    if cpu_overlap < 1.0:  # 1: no bound, and not a rounding of one either
+        shared = [busy.get(q, 0.0) for q in SHARED_CORE_QUEUES]
+        cores_s = sum(shared) - cpu_overlap * (sum(shared) - max(shared))
+        if cores_s > busiest:
+            load[prefix + "cores"] = cores_s
     return load
+
+
+SHARED_CORE_QUEUES = ("compute", "optim", "h2d", "d2h", "gather", "reduce", "reduce_cross", "push", "pull", "encode",
+                      "decode")
+"""[Note: shared cores]
+Queues whose work may run on the host's cores: the optimizer on the host, and, where the device is the CPU itself,
+the compute, the copies between the "device" arena and the host, the gradient codecs, and the collectives and node
+transfers (gloo and ZeroMQ reduce and copy on the CPU; over loopback the transfer itself is a copy). Each queue is
+timed at the rate measured alone, but on a machine with few cores the queues running at once share them: measured on
+2 cores (``luwu calibrate``), a matmul, the fused optimizer and a copy together took about the sum of their times
+alone. So, like the disk, a step takes at least ``sum - cpu_overlap * (sum - max)`` of these queues' busy times:
+with ``cpu_overlap`` 1 (a GPU machine: the device computes, DMA engines copy, NCCL reduces) only the busiest, with 0
+their sum. A bound on the whole step, not a slower op: where the work overlaps within the step is left to the
+critical path."""

@@ -297,16 +297,34 @@ class HardwareProfile:
     """powersgd encode: two thin matrix products and a QR per chunk."""
     powersgd_decode_gbps: float = 1.5
     """powersgd decode: one matrix product per chunk."""
+    shard_collective_factor: float = 1.0
+    """Time of a reduce-scatter or an all-gather over what the ring model of [Note: collective cost] in cost.py
+    gives at ``net_gbps``/``group_gbps`` (fitted to the all-reduce): 1 for a ring, as NCCL runs them; ``luwu
+    calibrate`` measured about 2 for gloo between two CPU processes, whose reduce-scatter and all-gather of a
+    buffer take as long as its all-reduce."""
+    cpu_overlap: float = 1.0
+    """How much of the work of the queues that share the host's cores (``SHARED_CORE_QUEUES`` in cost.py:
+    compute, the host optimizer, the copies) hides behind the busiest of them when they run at once, 0 to 1:
+    1 (the default) fully, as if each had cores of its own; 0 not at all, and a step then takes at least their
+    sum ([Note: shared cores] in cost.py). ``luwu calibrate`` measures it: a matmul, the fused optimizer and a
+    copy run together against the three alone."""
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        _check_positive("HardwareProfile", **{k: v for k, v in values.items() if not k.endswith("_latency_s")})
+        _check_positive("HardwareProfile", **{k: v for k, v in values.items()
+                                              if not k.endswith(("_latency_s", "_overlap"))})
         for name in (k for k in values if k.endswith("_latency_s")):
             if not values[name] >= 0:  # zero latency is a valid what-if; NaN is not
                 raise ValueError(f"HardwareProfile.{name} must not be negative, got {values[name]}")
+        for name in (k for k in values if k.endswith("_overlap")):
+            if not 0.0 <= values[name] <= 1.0:
+                raise ValueError(f"HardwareProfile.{name} must be between 0 and 1, got {values[name]}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "HardwareProfile":
+        """The profile of ``values``' keys; keys that start with ``_`` are notes (a figure's source, the machine
+        a calibration measured) and are not read."""
+        values = {k: v for k, v in values.items() if not k.startswith("_")}
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(valid))
         if unknown:
@@ -315,8 +333,8 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "HardwareProfile":
-        """Read a JSON object of the fields above (e.g. written by ``luwu bench``); missing keys keep
-        their defaults."""
+        """Read a JSON object of the fields above (e.g. written by ``luwu calibrate``); missing keys keep
+        their defaults, keys that start with ``_`` are notes."""
         try:
             values = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
