@@ -125,7 +125,7 @@ def element_bytes(model: ModelSpec, state: str) -> int:
         return model.param_bytes
     if state.startswith("grad"):
         return model.grad_bytes
-    return ELEMENT_BYTES[FIXED_STATE_DTYPES[state]]
+    return ELEMENT_BYTES[FIXED_STATE_DTYPES[base_kind(state)]]  # both halves of a double-buffered kind alike
 
 
 def home_of(state: str, placement: Placement) -> str:
