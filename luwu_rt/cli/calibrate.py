@@ -4,11 +4,11 @@ Every figure of ``HardwareProfile`` that one machine can measure of itself (prob
 NVMe read, write and mixed bandwidth on ``--nvme-dir``'s disk (block size and queue depth swept, the best
 kept); host <-> device copies; the fused optimizer; the compute rate of a model's units as the engine runs
 them; gloo collectives between two local ranks (latency and bandwidth); the node protocol over ZeroMQ; host
-memory bandwidth; and how the queues that share the host's cores slow each other (``cpu_overlap``). On one
-machine the optimizer node's figures are the host's own. The profile goes to this machine's cache, where
-``luwu plan``, ``luwu train`` and ``--strategy auto`` find it by default ([Note: which profile] in
-engine/hwprofile.py), and to ``--out FILE``. Its notes (``_machine``, ``_measured``) say what was measured,
-where, and under what load.
+memory bandwidth; the gradient codecs' encode and decode (on one rank's share of the cores); and how the
+queues that share the host's cores slow each other (``cpu_overlap``). On one machine the optimizer node's
+figures are the host's own. The profile goes to this machine's cache, where ``luwu plan``, ``luwu train``
+and ``--strategy auto`` find it by default ([Note: which profile] in engine/hwprofile.py), and to
+``--out FILE``. Its notes (``_machine``, ``_measured``) say what was measured, where, and under what load.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                 "transfer (default 16)")
     parser.add_argument("--optim-numel", type=int, default=1 << 23,
                         help="parameters per fused optimizer step measured (default 8388608)")
+    parser.add_argument("--codec-numel", type=int, default=1 << 22,
+                        help="gradient elements each codec encodes and decodes when measured (default 4194304)")
     parser.add_argument("--json", action="store_true", help="print the profile with its notes as one JSON object")
 
 
@@ -86,6 +88,10 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     compute = timed("compute", probes.compute_rate, args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                     dtype=args.dtype)
     shared = timed("overlap", probes.overlap, device=device)
+    # A rank of a run on this machine shares its cores with the others: on the CPU the codecs are timed on
+    # one rank's share (two ranks, the common local run), on a GPU on the device.
+    codec_threads = max(1, (os.cpu_count() or 1) // 2)
+    codecs = timed("codecs", probes.codec_rates, numel=args.codec_numel, device=device, threads=codec_threads)
     coll = timed("collectives", probes.collectives, mib=args.net_mib)
     zmq_gbps = timed("node protocol", probes.zmq_protocol_gbps, total=args.net_mib << 20,
                      chunk=min(4 << 20, args.net_mib << 20))
@@ -104,6 +110,7 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         "node_gbps": zmq_gbps, "node_latency_s": zmq_latency, "node_optim_params_per_s": host_optim,
         "node_mem_gbps": mem, "node_nvme_read_gbps": disk["read_gbps"], "node_nvme_write_gbps": disk["write_gbps"],
         "cpu_overlap": shared["cpu_overlap"],
+        **codecs,
         "shard_collective_factor": max(1.0, net_gbps * (1 / coll["gbps"]["reduce_scatter"]
                                                         + 1 / coll["gbps"]["all_gather"]) / 2),
     }
@@ -112,7 +119,9 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         "load_average_before": load_before, "load_average_after": _load(),
         "seconds": round(time.perf_counter() - started, 1), "seconds_per_probe": took,
         "nvme_dir": os.path.abspath(nvme_dir), "nvme": disk, "matmul_flops": matmul, "compute": compute,
-        "overlap": shared, "collectives": coll, "torch_threads": torch.get_num_threads(),
+        "overlap": shared, "collectives": coll,
+        "codecs": {"names": probes.CODEC_PROBES, "numel": args.codec_numel, "threads": codec_threads},
+        "torch_threads": torch.get_num_threads(),
     }
     return {**profile, "_machine": machine_identity(), "_measured": measured}
 
@@ -131,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from luwu_rt.cli.dirs import created_dir, scratch_dir
     from luwu_rt.engine.hwprofile import cached_profile_path
 
-    for name in ("batch_size", "seq_len", "nvme_mb", "net_mib", "optim_numel"):
+    for name in ("batch_size", "seq_len", "nvme_mb", "net_mib", "optim_numel", "codec_numel"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.no_cache and not args.out:

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import textwrap
 
 # (command path, module, one-line help). A path of two words is a nested
 # subcommand such as `luwu bench io`.
@@ -35,25 +36,34 @@ _GROUP_HELP = {"bench": "measure throughput of the runtime's parts against their
                "node": "the optimizer node of strategy node: holds the optimizer, aggregates gradients"}
 
 
+class _Help(argparse.HelpFormatter):
+    """argparse's help, wrapped between words only: its default breaks a line inside a flag's name
+    (`--profile-` / `out`), which a reader copying the flag then gets wrong."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from luwu_rt import __version__
 
     # allow_abbrev=False on every parser: a prefix of a flag is a typo, not the flag (`--step 5` is not --steps).
+    common = {"allow_abbrev": False, "formatter_class": _Help}
     parser = argparse.ArgumentParser(prog="luwu", description="luwu_rt: train models larger than GPU memory.",
-                                     allow_abbrev=False)
+                                     **common)
     parser.add_argument("--version", action="version", version=f"luwu_rt {__version__}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, module_name, help_text in COMMANDS:
         module = importlib.import_module(module_name)
         if len(path) == 1:
-            sub = top.add_parser(path[0], help=help_text, description=help_text, allow_abbrev=False)
+            sub = top.add_parser(path[0], help=help_text, description=help_text, **common)
         else:
             group, leaf = path
             if group not in groups:
-                gp = top.add_parser(group, help=_GROUP_HELP.get(group, ""), allow_abbrev=False)
+                gp = top.add_parser(group, help=_GROUP_HELP.get(group, ""), **common)
                 groups[group] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
-            sub = groups[group].add_parser(leaf, help=help_text, description=help_text, allow_abbrev=False)
+            sub = groups[group].add_parser(leaf, help=help_text, description=help_text, **common)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run, _parser=sub)
     return parser

@@ -15,8 +15,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["collectives", "compute_rate", "copy_gbps", "matmul_flops", "mem_gbps", "mixed_io_seconds", "nvme",
-           "optimizer_rate", "overlap", "zmq_latency_s", "zmq_protocol_gbps"]
+__all__ = ["codec_rates", "collectives", "compute_rate", "copy_gbps", "matmul_flops", "mem_gbps", "mixed_io_seconds",
+           "nvme", "optimizer_rate", "overlap", "zmq_latency_s", "zmq_protocol_gbps"]
 
 _GB = 1e9
 _NVME_BLOCKS_KB = (256, 1024, 4096)
@@ -153,6 +153,51 @@ def optimizer_rate(*, numel: int = 1 << 23, device: str = "cpu", repeats: int = 
             torch.cuda.synchronize()
 
     return numel / _median_time(step, repeats=repeats)
+
+
+CODEC_PROBES = {"cast": "bf16", "onebit": "onebit", "topk": "topk:0.01", "powersgd": "powersgd:4"}
+"""The codec timed for each family of rate keys (``<family>_encode_gbps``; fp16 runs bf16's kernels)."""
+
+
+def codec_rates(*, numel: int = 1 << 22, chunk_numel: int = 1 << 20, device: str = "cpu", threads: int = 1,
+                repeats: int = 5) -> dict[str, float]:
+    """Each codec family's encode and decode as ``HardwareProfile`` counts them: GB/s of fp32 gradient read
+    by an encode (with its residual) or written by a decode, on ``threads`` threads (torch's and Numba's),
+    the share of the cores one rank of several on this machine gets."""
+    import torch
+
+    from luwu_rt.compress import codec_for
+
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)).mul_(1e-2).to(device)
+    residual, out = torch.zeros(numel, device=device), torch.empty(numel, device=device)
+
+    def timed(fn):
+        def run():
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        return numel * 4 / _median_time(run, repeats=repeats) / _GB
+
+    rates, before = {}, torch.get_num_threads()
+    try:
+        import numba
+        numba_before = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:  # the codecs then run in torch
+        numba = None
+    torch.set_num_threads(threads)
+    try:
+        for family, name in CODEC_PROBES.items():
+            codec = codec_for(name, chunk_numel=chunk_numel)
+            payload = torch.empty(codec.payload_bytes(numel), dtype=torch.uint8, device=device)
+            residual.zero_()
+            rates[f"{family}_encode_gbps"] = timed(lambda c=codec, p=payload: c.encode(grad, residual, p))
+            rates[f"{family}_decode_gbps"] = timed(lambda c=codec, p=payload: c.decode(p, out))
+    finally:
+        torch.set_num_threads(before)
+        if numba is not None:
+            numba.set_num_threads(numba_before)
+    return rates
 
 
 def matmul_flops(*, n: int = 1024, device: str = "cpu", dtype: str = "fp32", repeats: int = 5) -> float:

@@ -14,7 +14,7 @@ from luwu_rt.engine.hwprofile import ProfileChoice, cached_profile_path, choose_
 from luwu_rt.plan import HardwareProfile
 
 TINY = ["--model", "gpt-tiny", "--batch-size", "1", "--seq-len", "16", "--nvme-mb", "4", "--net-mib", "1",
-        "--optim-numel", str(1 << 16)]
+        "--optim-numel", str(1 << 16), "--codec-numel", str(1 << 16)]
 
 
 @pytest.fixture
