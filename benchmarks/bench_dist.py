@@ -242,20 +242,20 @@ def _config(name: str, args, *, host_mem: int | str | None = None, device_mem: i
 
 def _plan_peak(name: str, args, *, host_mem, device_mem) -> dict[str, int]:
     """The plan's peak bytes per tier for one of our contestants, planned here as every rank will plan it."""
+    from luwu_rt.engine.kept import plan_kept
     from luwu_rt.engine.strategy import candidate_strategies, choose_plan
-    from luwu_rt.engine.workload import config_model_spec
     from luwu_rt.models.adapt import as_unit_chain
     from luwu_rt.plan import Budgets, Placement
 
     config = _config(name, args, host_mem=host_mem, device_mem=device_mem)
-    spec = config_model_spec(as_unit_chain(config.model), config, device_type="cpu", world_size=RANKS)
     off = config.offload
-    _, result = choose_plan(spec, strategies=candidate_strategies(config.strategy, world_size=RANKS,
-                                                                  shard_group_size=config.shard_group_size),
-                            budgets=Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes,
-                                            nvme_bytes=0),
-                            placement=Placement(params=off.params, optimizer=off.optimizer, grads=off.grads))
-    return dict(result.plan.peak_bytes)
+    strategies = candidate_strategies(config.strategy, world_size=RANKS, shard_group_size=config.shard_group_size)
+    budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=0)
+    placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
+    kept = plan_kept(as_unit_chain(config.model), config, world_size=RANKS,
+                     plan=lambda spec, explain: choose_plan(spec, strategies=strategies, budgets=budgets,
+                                                            placement=placement, explain=explain))
+    return dict(kept.result.plan.peak_bytes)
 
 
 def _fit(name: str, args) -> dict[str, int]:
@@ -650,7 +650,8 @@ def _report(args, timing, memory, load_before, load_mid, elapsed) -> list[str]:
              f"lr {_OPTIM['lr']} (warm-up {_OPTIM['warmup_steps']}, cosine), betas 0.9/0.95, decay 0.1, global-norm "
              f"clipping {_OPTIM['grad_clip']} for every contestant. Ours: params, optimizer state and gradients on the "
              f"host tier (host budget: what each plan peaks at under {args.host_mem}, listed below; device budget "
-             f"{args.device_mem} — a CPU arena here; chunk {args.chunk_size}), keep_graphs auto (all on the CPU). "
+             f"{args.device_mem} — a CPU arena here; chunk {args.chunk_size}), keep_graphs auto (as many as fit "
+             f"the device budget). "
              f"Peers: the whole model in process memory. {args.warmup} warm-up steps each, then "
              f"{args.rounds} rounds x {args.steps} steps (ours ddp, torch DDP and ddp-dev back to back in every round, "
              f"and ours zero3, FSDP2 and zero3-dev; groups and order rotated); each step's time is the slower "

@@ -261,8 +261,7 @@ def p7_config(args) -> TrainConfig:
     if args.p7_device_mem is not None:
         return config(args.p7_device_mem)
     arena = parse_size(args.p7_device_arena)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # as Engine computes
-    return config(device_budget(config(arena), arena_bytes=arena, device_type=device_type))
+    return config(device_budget(config(arena), arena_bytes=arena))
 
 
 def _p7_engine(args) -> tuple[Engine, float]:

@@ -201,7 +201,7 @@ def _max_seq_len(chain) -> int | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from luwu_rt.engine.workload import config_model_spec
+    from luwu_rt.engine.kept import fewest_kept, plan_kept
     from luwu_rt.plan import DoesNotFit, Placement, estimate, plan_auto, validate
     from luwu_rt.plan.search import plan_speculative
 
@@ -212,11 +212,9 @@ def run(args: argparse.Namespace) -> int:
     config, chain = _train_config(args)
     off = config.offload
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    model = config_model_spec(chain, config, device_type=device_type, world_size=args.world_size)
     budgets = _budgets(args, config, device_type=device_type)
     strategy = _strategy(args, config)
     candidates = strategy if isinstance(strategy, list) else [strategy]
-    strategy = candidates[0]
     placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
     from luwu_rt.engine.hwprofile import choose_profile, per_rank
 
@@ -224,29 +222,41 @@ def run(args: argparse.Namespace) -> int:
     # budgets take them to.
     choice = choose_profile(config.profile)
     profile = per_rank(choice, local_ranks=args.world_size)
-    # "runnable" stays in the JSON for its readers: luwu train runs every strategy the planner plans.
-    head = {"model": config.model, "params": model.num_params, "strategy": strategy.name,
-            "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
-            "activation_bytes": model.activation_bytes,
-            "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
-            "nvme_dir": _nvme_where(args, off.nvme_dir),
-            "profile": {"source": choice.source, "path": choice.path, "described": choice.describe()},
-            "runnable": True}
-    try:
+    asked = []  # the ModelSpecs put to the planner, in order
+
+    def plan(model, explain: bool):
+        asked.append(model)
         if len(candidates) > 1:  # auto: the strategy luwu train would pick
             from luwu_rt.engine.strategy import choose_plan
 
-            strategy, result = choose_plan(model, strategies=candidates, budgets=budgets, placement=placement,
-                                           profile=profile, compress=config.compress)
-            head["strategy"] = strategy.name
-        else:
-            from luwu_rt.plan.compression import resolve_compression
+            return choose_plan(model, strategies=candidates, budgets=budgets, placement=placement, profile=profile,
+                               compress=config.compress, explain=explain)
+        from luwu_rt.plan.compression import resolve_compression
 
-            strategy = resolve_compression(model, strategy, config.compress, profile=profile)
-            result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
-                               policy=policy)
+        strategy = resolve_compression(model, candidates[0], config.compress, profile=profile)
+        return strategy, plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
+                                   policy=policy, explain=explain)
+
+    def header(model, strategy, kept: int) -> dict:
+        # "runnable" stays in the JSON for its readers: luwu train runs every strategy the planner plans.
+        return {"model": config.model, "params": model.num_params, "strategy": strategy.name,
+                "world_size": strategy.world_size, "tokens_per_step": model.tokens_per_step,
+                "activation_bytes": model.activation_bytes,
+                "kept_graphs": {"count": kept, "of": chain.num_units - 1, "request": config.keep_graphs},
+                "budgets": {"device": budgets.device_bytes, "host": budgets.host_bytes, "nvme": budgets.nvme_bytes},
+                "nvme_dir": _nvme_where(args, off.nvme_dir),
+                "profile": {"source": choice.source, "path": choice.path, "described": choice.describe()},
+                "runnable": True}
+
+    kept = None
+    try:
+        kept = plan_kept(chain, config, world_size=args.world_size, plan=plan)
+        model, strategy, result = kept.model, kept.strategy, kept.result
+        head = header(model, strategy, len(kept.units))
         node = _plan_node(args, model, strategy, profile, policy) if strategy.name == "node" else None
     except DoesNotFit as exc:
+        if kept is None:  # refused with the fewest graphs the request allows: the last ModelSpec planned
+            head = header(asked[-1], candidates[0], len(fewest_kept(config.keep_graphs, num_units=chain.num_units)))
         reason = str(exc)
         if not budgets.nvme_bytes and "nvme_bytes" in exc.needs:
             reason += " (pass --nvme-dir DIR or --nvme-size to plan with an NVMe tier)"
@@ -451,6 +461,7 @@ def _text(head: dict, r: dict) -> str:
     lines.append(f"updates: {r['updates']}")
     lines.append(f"{r['num_ops']} ops, eviction {r['policy']}; device reserve for activations "
                  f"{format_size(head['activation_bytes'])} (in the device peak)")
+    lines.append(_kept_text(head["kept_graphs"]))
     if "compression" in r:
         from luwu_rt.cli.plan_compress import compression_text
 
@@ -458,6 +469,14 @@ def _text(head: dict, r: dict) -> str:
     if "node" in r:
         lines += [""] + _node_text(r["node"])
     return "\n".join(lines)
+
+
+def _kept_text(kept: dict) -> str:
+    """Which units keep their forward graph, and why: the request, or under auto what fitted."""
+    why = " (--keep-graphs auto: the most that fit the device budget)" if kept["request"] == "auto" else ""
+    rest = "; the others recompute theirs in backward" if kept["count"] < kept["of"] else ""
+    return (f"kept graphs: {kept['count']} of {kept['of']} units keep their forward graph until backward{why}"
+            f"{rest} (the last unit runs once)")
 
 
 def _node_text(n: dict) -> list[str]:

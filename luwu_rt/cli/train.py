@@ -164,7 +164,13 @@ def _describe(engine) -> str:
     else:
         ranks = "; peak"
     return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
-            f"{', '.join(homes)}{ranks} {peaks}; planned with the {engine.profile_choice.describe()}")
+            f"{', '.join(homes)}{ranks} {peaks}; {_kept(engine)}; planned with the {engine.profile_choice.describe()}")
+
+
+def _kept(engine) -> str:
+    """How many units keep their forward graph ([Note: kept graphs chosen by the budget] in engine/kept.py)."""
+    why = " (auto: the most that fit)" if engine.config.keep_graphs == "auto" else ""
+    return f"forward graphs kept by {len(engine.keep_graph)} of {engine.chain.num_units - 1} units{why}"
 
 
 def _compression(strategy) -> str:

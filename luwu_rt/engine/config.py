@@ -194,14 +194,14 @@ class TrainConfig:
     """Append one JSON line per step here."""
     keep_graphs: int | str = field(default="auto", metadata=flag(
         "units that keep their forward graph until backward instead of recomputing it: auto, all, none or N "
-        "(default {default}: all on the CPU, none on a GPU); kept graphs' activations count against the device budget",
-        metavar="auto|all|none|N", parse=_count_or_word, plans=True))
+        "(default {default}: as many as fit, on the CPU and on a GPU alike); kept graphs' activations count against "
+        "the device budget", metavar="auto|all|none|N", parse=_count_or_word, plans=True))
     """Units whose forward keeps its autograd graph until backward instead of being recomputed: ``"all"``,
     ``"none"``, or a number N (the N units just before the last). Kept graphs save a forward per unit
-    (~15-20% of a CPU step in benchmarks/bench_train.py) and cost the units' activations in memory,
-    outside the budgets. ``"auto"``: ``"all"`` when computing on the CPU (activations live in host RAM,
-    and the step is measured faster), ``"none"`` on a GPU, whose memory the plan's device budget already
-    claims ([Note: kept graphs in the engine])."""
+    (~15-20% of a CPU step in benchmarks/bench_train.py) and cost the units' activations, reserved in the
+    device budget ([Note: kept graphs in the engine]). ``"auto"``: the most units (the last ones) with which
+    the step still plans within the budgets, down to none, on the CPU and on a GPU alike ([Note: kept graphs
+    chosen by the budget] in engine/kept.py)."""
     io_backend: str = field(default="auto", metadata=flag("IO engine backend", choices=BACKENDS))
     """IO engine backend: ``auto``, ``io_uring`` or ``threads``."""
     strategy: str = field(default="auto", metadata=flag(

@@ -52,7 +52,7 @@ from luwu_rt.engine.hwprofile import choose_profile, per_rank
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
-from luwu_rt.engine.workload import config_model_spec, kept_units
+from luwu_rt.engine.kept import plan_kept
 from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.exec import (Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, SpeculativeRuns,
                           busy_by_queue)
@@ -110,9 +110,7 @@ class Engine:
         self.chain = _as_chain(model if model is not None else config.model)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.param_dtype = torch_dtype(config.dtype)
-        self.keep_graph = kept_units(config.keep_graphs, num_units=self.chain.num_units, device_type=self.device.type)
         self.loss_scale = config.loss_scale if config.dtype == "fp16" else 1.0
-        self.model_spec = self._model_spec()
         self._made_dirs: Callable[[], Any] = _nothing
         """Removes the NVMe directory this engine created, once: at ``close``, or when the interpreter exits
         (an engine never closed), or at once when the plan keeps nothing on NVMe."""
@@ -194,12 +192,6 @@ class Engine:
 
     # -- construction -------------------------------------------------------------------------
 
-    def _model_spec(self) -> ModelSpec:
-        """The planner's view of this run; its activation reserve is measured by running the chain on the
-        meta device as the step will ([Note: activation estimate] in workload.py), the same function
-        ``luwu plan`` answers with, so both agree on what fits."""
-        return config_model_spec(self.chain, self.config, device_type=self.device.type, world_size=self.world.size)
-
     def _plan(self) -> None:
         off, world = self.config.offload, self.world
         nvme_root = None
@@ -230,8 +222,18 @@ class Engine:
         # otherwise plan differently.
         self.profile_choice = world.all_gather_object(choose_profile(self.config.profile))[0]
         profile = per_rank(self.profile_choice, local_ranks=world.local_size)
-        self.strategy, result = choose_plan(self.model_spec, strategies=strategies, budgets=budgets,
-                                            placement=placement, compress=self.config.compress, profile=profile)
+        # The planner's view of this run, its activation reserve measured by running the chain on the meta
+        # device as the step will ([Note: activation estimate] in workload.py), with the graphs the budgets
+        # leave room for ([Note: kept graphs chosen by the budget] in kept.py): as `luwu plan` answers.
+        kept = plan_kept(self.chain, self.config, world_size=world.size,
+                         plan=lambda model, explain: choose_plan(model, strategies=strategies, budgets=budgets,
+                                                                 placement=placement, compress=self.config.compress,
+                                                                 profile=profile, explain=explain))
+        self.keep_graph: frozenset[int] = kept.units
+        """The units whose forward keeps its graph until their backward."""
+        self.model_spec: ModelSpec = kept.model
+        """The planner's view of the run, with the reserve of ``keep_graph``'s activations."""
+        self.strategy, result = kept.strategy, kept.result
         validate(result.plan)
         self._agree(result)
         self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost

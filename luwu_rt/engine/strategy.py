@@ -60,16 +60,18 @@ def _candidates(name: str, *, world_size: int, shard_group_size: int) -> list[St
 
 
 def choose_plan(model: ModelSpec, *, strategies: list[Strategy], budgets: Budgets, placement: Placement,
-                profile: HardwareProfile = HardwareProfile(), compress: str = "none") -> tuple[Strategy, PlanResult]:
+                profile: HardwareProfile = HardwareProfile(), compress: str = "none",
+                explain: bool = True) -> tuple[Strategy, PlanResult]:
     """The candidate strategy whose fastest fitting placement predicts the shortest step (the first of
     equals), each with the codecs ``compress`` (a ``--compress`` value) resolves to for it. Raises the most
-    memory-frugal candidate's ``DoesNotFit`` when none fits."""
+    memory-frugal candidate's ``DoesNotFit`` when none fits (``explain``: as ``plan_auto``)."""
     best: tuple[Strategy, PlanResult] | None = None
     error: ValueError | None = None
     for strategy in strategies:
         strategy = resolve_compression(model, replace(strategy, compress=()), compress, profile=profile)
         try:
-            result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile)
+            result = plan_auto(model, budgets=budgets, placement=placement, strategy=strategy, profile=profile,
+                               explain=explain)
         except ValueError as exc:
             error = exc
             continue

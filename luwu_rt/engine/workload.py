@@ -37,8 +37,8 @@ copies them only for the forwards ``params_at_risk(plan)`` names, but that is
 a fact of the plan, and the plan depends on this reserve. So by default
 (``snapshot_units=None``) every kept forward is taken to be at risk: the
 reserve then holds for whatever plan comes out, and costs at most one copy of
-the weights the kept units save (nothing when no graph is kept, the default
-on a GPU; 3 MiB of gpt-tiny's 67 MiB of kept graphs).
+the weights the kept units save (nothing when no graph is kept; 3 MiB of
+gpt-tiny's 67 MiB of kept graphs).
 
 Why the peak and not a sum of parts: the planner keeps one fixed reserve for
 the whole step, so what must fit is the most that is ever live at once. A sum
@@ -157,14 +157,13 @@ def unit_specs(chain: UnitChain, *, seq_len: int) -> tuple[UnitSpec, ...]:
     return units
 
 
-def kept_units(keep_graphs: int | str, *, num_units: int, device_type: str) -> frozenset[int]:
-    """``TrainConfig.keep_graphs`` as unit indices: ``auto`` is ``all`` when computing on the CPU and ``none``
-    otherwise; N keeps the N units before the last. The last unit runs once anyway ([Note: the last unit
-    runs once] in compute.py), so at most the units before it keep a graph."""
-    if keep_graphs == "auto":
-        keep_graphs = "all" if device_type == "cpu" else "none"
+def kept_units(keep_graphs: int | str, *, num_units: int) -> frozenset[int]:
+    """``TrainConfig.keep_graphs`` as unit indices, the most a run may keep: N keeps the N units before the
+    last, ``all`` every unit before the last, and so does ``auto``, of which a run keeps as many as its
+    budgets allow ([Note: kept graphs chosen by the budget] in engine/kept.py). The last unit runs once
+    anyway ([Note: the last unit runs once] in compute.py), so at most the units before it keep a graph."""
     last = num_units - 1
-    count = {"all": last, "none": 0}.get(keep_graphs, keep_graphs)
+    count = {"all": last, "auto": last, "none": 0}.get(keep_graphs, keep_graphs)
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ValueError(f"keep_graphs={keep_graphs!r}: choose auto, all, none or a number of units >= 0")
     return frozenset(range(max(last - count, 0), last))
@@ -192,27 +191,31 @@ def train_model_spec(chain: UnitChain, *, batch_size: int, seq_len: int, chunk_b
                      activation_bytes=activations.peak_bytes)
 
 
-def config_model_spec(chain: UnitChain, config: "TrainConfig", *, device_type: str, world_size: int = 1) -> ModelSpec:
-    """``train_model_spec`` for a run of ``config`` on a ``device_type`` device: what ``Engine`` plans, and the
-    device budget it needs is ``activation_bytes`` plus the arena it leaves for shards."""
+def config_model_spec(chain: UnitChain, config: "TrainConfig", *, world_size: int = 1,
+                      keep_graph: Iterable[int] | None = None) -> ModelSpec:
+    """``train_model_spec`` for a run of ``config``: what ``Engine`` plans, and the device budget it needs is
+    ``activation_bytes`` plus the arena it leaves for shards. ``keep_graph``: the units that keep their
+    forward graph; ``None``: ``kept_units(config.keep_graphs)``, under ``auto`` every unit that may keep one
+    (how many a run keeps: ``plan_kept`` in engine/kept.py)."""
+    if keep_graph is None:
+        keep_graph = kept_units(config.keep_graphs, num_units=chain.num_units)
     return train_model_spec(chain, batch_size=config.batch_size, seq_len=config.seq_len,
                             grad_accum=config.grad_accum, chunk_bytes=config.offload.chunk_bytes, dtype=config.dtype,
-                            keep_graph=kept_units(config.keep_graphs, num_units=chain.num_units,
-                                                  device_type=device_type),
+                            keep_graph=keep_graph,
                             optimizer_waits_for_backward=config.optim.grad_clip > 0 or config.dtype == "fp16",
                             # A node worker's gradients leave the process too (pushed, summed on the node): fp32.
                             world_size=max(world_size, 2) if config.strategy == "node" else world_size)
 
 
-def device_budget(config: "TrainConfig", *, arena_bytes: int, chain: UnitChain | None = None,
-                  device_type: str = "cpu") -> int:
+def device_budget(config: "TrainConfig", *, arena_bytes: int, chain: UnitChain | None = None) -> int:
     """The ``offload.device_mem_bytes`` that leaves ``arena_bytes`` for shards beside the activations a run of
-    ``config`` reserves (``chain`` defaults to ``config.model``, built on meta)."""
+    ``config`` reserves with the graphs it asks to keep (under ``auto`` all: the budget with which ``auto``
+    keeps every one); ``chain`` defaults to ``config.model``, built on meta."""
     if chain is None:
         from luwu_rt.models.adapt import as_unit_chain
 
         chain = as_unit_chain(config.model)
-    return config_model_spec(chain, config, device_type=device_type).activation_bytes + arena_bytes
+    return config_model_spec(chain, config).activation_bytes + arena_bytes
 
 
 def measure_activations(chain: UnitChain, *, batch_size: int, seq_len: int, dtype: torch.dtype | str = torch.float32,

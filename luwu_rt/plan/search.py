@@ -81,15 +81,20 @@ def _fits(bounds: dict[str, int], budgets: Budgets) -> bool:
 
 def plan_auto(model: ModelSpec, *, budgets: Budgets, placement: Placement = Placement(),
               strategy: Strategy = Strategy(), profile: HardwareProfile = HardwareProfile(),
-              policy: str | Policy = "belady") -> PlanResult:
+              policy: str | Policy = "belady", explain: bool = True) -> PlanResult:
     """Plan one step, resolving ``auto`` placements to the fastest that fits.
 
-    Raises ``DoesNotFit`` (a ``ValueError``) stating the memory that would make it fit."""
+    Raises ``DoesNotFit`` (a ``ValueError``) stating the memory that would make it fit; with ``explain=False``
+    only why the fastest attempt failed, without the budgets that would plan (finding those takes many
+    plans): for a caller that asks whether a step fits and tries another when it does not."""
     policy = as_policy(policy)  # an unknown name is the caller's error, not a placement that does not fit
     errors: list[str] = []
     best = _fastest(_candidates(placement, strategy), budgets=budgets, profile=profile, errors=errors,
                     bounds=lambda c: lower_bounds(model, placement=c, strategy=strategy),
                     plan=lambda c: plan_step(model, budgets=budgets, placement=c, strategy=strategy, policy=policy))
+    if best is None and not explain:
+        raise DoesNotFit(f"does not fit: {errors[0] if errors else 'no placement is within the lower bounds'}",
+                         needs={})
     if best is None:
         raise _does_not_fit(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy,
                             errors=errors)

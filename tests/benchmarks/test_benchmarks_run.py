@@ -197,15 +197,13 @@ _PLAN_P7_DEFAULTS = """
 import json
 import sys
 sys.path.insert(0, sys.argv[1])
-import torch
 from bench_train import p7_config, parse_args
 from luwu_rt.engine.workload import config_model_spec
 from luwu_rt.models.adapt import as_unit_chain
 from luwu_rt.plan import Budgets, Placement, plan_auto
 config = p7_config(parse_args(["--nvme-dir", sys.argv[2], *sys.argv[3:]]))
 off = config.offload
-spec = config_model_spec(as_unit_chain(config.model), config,
-                         device_type="cuda" if torch.cuda.is_available() else "cpu")
+spec = config_model_spec(as_unit_chain(config.model), config)
 budgets = Budgets(device_bytes=off.device_mem_bytes, host_bytes=off.host_mem_bytes, nvme_bytes=1 << 40)
 result = plan_auto(spec, budgets=budgets,
                    placement=Placement(params=off.params, optimizer=off.optimizer, grads=off.grads))

@@ -14,7 +14,7 @@ from luwu_rt.plan import DoesNotFit
 BUDGETS_MIB = (8, 24, 60, 79, 84, 96, 256)
 
 
-@pytest.mark.parametrize("keep", ["none", "all"])
+@pytest.mark.parametrize("keep", ["none", "all", "auto"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_plan_and_train_agree_on_a_grid_of_budgets(capsys, keep, dtype, grad_accum) -> None:
@@ -38,6 +38,7 @@ def test_plan_and_train_agree_on_a_grid_of_budgets(capsys, keep, dtype, grad_acc
             p = engine.placement
             assert planned["placement"] == {"params": p.params, "optimizer": p.optimizer, "grads": p.grads}
             assert planned["activation_bytes"] == engine.model_spec.activation_bytes
+            assert planned["kept_graphs"]["count"] == len(engine.keep_graph)  # auto: as many in both
             assert planned["peak_bytes"] == dict(engine.plan.peak_bytes)
         finally:
             engine.close()

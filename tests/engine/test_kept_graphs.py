@@ -130,10 +130,25 @@ def test_params_kept_resident_from_f_to_b_need_no_snapshot(tmp_path, chaotic) ->
     _assert_same_training(kept, kept_metrics, recomputed, rec_metrics)
 
 
+def test_auto_under_a_tight_budget_keeps_the_last_graphs_that_fit_and_trains_as_none_and_all(tmp_path,
+                                                                                              chaotic) -> None:
+    """[Note: kept graphs chosen by the budget]: with room for two graphs beside a 2 MiB arena, auto keeps the
+    two units before the last (all of them no longer fit) and trains as recomputation and as kept graphs do."""
+    config = replace(_config(tmp_path / "a", keep=2), keep_graphs="auto")
+    auto, auto_metrics = _train(config)
+    chaotic(config, auto, auto_metrics)
+    last = auto.chain.num_units - 1
+    assert auto.keep_graph == auto.compute.config.keep_graph == frozenset({last - 2, last - 1})
+    assert all(m["kept_bytes"] > 0 for m in auto_metrics)
+    for keep in ("none", "all"):
+        other, other_metrics = _train(_config(tmp_path / keep, keep=keep))
+        _assert_same_training(auto, auto_metrics, other, other_metrics)
+
+
 def test_kept_units_from_config(tmp_path) -> None:
     last = Engine(None, _config(tmp_path, keep="none")).chain.num_units - 1
     for keep, expect in [("all", range(last)), ("none", ()), (2, range(last - 2, last)), (0, ()),
-                         (99, range(last)), ("auto", range(last))]:  # auto: all on the CPU
+                         (99, range(last)), ("auto", range(last))]:  # auto: all, which the budget holds
         engine = Engine(None, _config(tmp_path, keep=keep), materialize=False)
         assert engine.compute.config.keep_graph == frozenset(expect), keep
 

@@ -225,7 +225,7 @@ CHAINS = {
 def test_peak_matches_the_cpu_allocator(tmp_path, name, dtype, keep_all) -> None:
     build, make_batch, example = CHAINS[name]
     chain = _on_cpu(build(), COMPUTE_DTYPES[dtype])
-    keep = kept_units("all" if keep_all else "none", num_units=chain.num_units, device_type="cpu")
+    keep = kept_units("all" if keep_all else "none", num_units=chain.num_units)
     batch = make_batch()
     real, saved = _allocator_peak(chain, lambda: tuple(t.to(COMPUTE_DTYPES[dtype]) if t.is_floating_point() else t
                                                        for t in make_batch()), keep=keep, tmp_path=tmp_path)
@@ -250,7 +250,7 @@ def test_peak_matches_the_cuda_allocator(keep_all) -> None:
     for u in range(chain.num_units):
         for p in chain.own_params(u):
             p.data = p.data.cuda()
-    keep = kept_units("all" if keep_all else "none", num_units=chain.num_units, device_type="cpu")
+    keep = kept_units("all" if keep_all else "none", num_units=chain.num_units)
     compute = UnitCompute(chain, config=UnitwiseConfig(keep_graph=keep, preserve_rng=False))
     make = lambda: tuple(t.cuda() for t in _ids(8, 1024, chain.shape.vocab_size))  # noqa: E731
     _run_step(compute, make(), chain.num_units)  # warm-up: cuBLAS's workspace is allocated once, at first use
@@ -301,20 +301,21 @@ def test_model_spec_is_the_engines_with_the_measured_reserve(tmp_path) -> None:
     config = TrainConfig()  # luwu train's defaults: gpt-tiny, 16 x 128 tokens, fp32, keep_graphs auto
     # A budget that holds the reserve, so that this compares the specs before and after the engine reserves it.
     engine = Engine(None, replace(config, offload=replace(config.offload, device_mem_bytes=2**30)), materialize=False)
-    keep = kept_units(config.keep_graphs, num_units=engine.chain.num_units, device_type=engine.device.type)
-    assert keep == engine.compute.config.keep_graph
+    keep = kept_units(config.keep_graphs, num_units=engine.chain.num_units)
+    assert keep == engine.compute.config.keep_graph  # auto: every graph fits in 1 GiB, on a GPU too
     spec = train_model_spec(engine.chain, batch_size=config.batch_size, seq_len=config.seq_len,
                             grad_accum=config.grad_accum, dtype=config.dtype, chunk_bytes=config.offload.chunk_bytes,
                             keep_graph=keep, optimizer_waits_for_backward=config.optim.grad_clip > 0)
     est = measure_activations(engine.chain, batch_size=config.batch_size, seq_len=config.seq_len, keep_graph=keep)
     assert spec == replace(engine.model_spec, activation_bytes=est.peak_bytes)
     last = engine.chain.num_units - 1
-    if keep:  # on the CPU every unit but the last keeps its graph: the peak is at the head's backward
-        assert est.peak_at == f"B{last}" and est.kept_bytes < est.peak_bytes
-        assert est.saved_input_bytes == 2**20  # only the head's input, 16 x 128 x 128 fp32
-    else:  # on a GPU every unit recomputes from its saved input: 1 MiB per block and the head, ids for unit 0
-        assert est.kept_bytes == 0
-        assert est.saved_input_bytes == last * 2**20 + config.batch_size * config.seq_len * 8
+    # Every unit but the last keeps its graph: the peak is at the head's backward.
+    assert est.peak_at == f"B{last}" and est.kept_bytes < est.peak_bytes
+    assert est.saved_input_bytes == 2**20  # only the head's input, 16 x 128 x 128 fp32
+    # Recomputing every unit instead: each saves its input, 1 MiB per block and the head, ids for unit 0.
+    none = measure_activations(engine.chain, batch_size=config.batch_size, seq_len=config.seq_len, keep_graph=())
+    assert none.kept_bytes == 0
+    assert none.saved_input_bytes == last * 2**20 + config.batch_size * config.seq_len * 8
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "gpt-small"])
@@ -339,8 +340,9 @@ def test_timeline_has_one_entry_per_op() -> None:
 @pytest.mark.parametrize("keep,expect", [("all", range(5)), ("none", ()), (2, range(3, 5)), (0, ()), (99, range(5)),
                                          ("auto", range(5))])
 def test_kept_units(keep, expect) -> None:
-    assert kept_units(keep, num_units=6, device_type="cpu") == frozenset(expect)
-    assert kept_units("auto", num_units=6, device_type="cuda") == frozenset()
+    """The most a request keeps: under auto every unit before the last (how many a run keeps: tests/engine/
+    test_kept_choice.py)."""
+    assert kept_units(keep, num_units=6) == frozenset(expect)
 
 
 def test_user_errors_name_the_fix() -> None:
@@ -350,7 +352,7 @@ def test_user_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="keep_graph"):
         measure_activations(chain, batch_size=1, seq_len=8, keep_graph={6})
     with pytest.raises(ValueError, match="keep_graphs"):
-        kept_units("some", num_units=6, device_type="cpu")
+        kept_units("some", num_units=6)
     bare = chain_from_sequential(nn.Sequential(nn.Embedding(8, 4), nn.GELU(), nn.Linear(4, 8)))
     with pytest.raises(ValueError, match="own no parameters"):
         train_model_spec(bare, batch_size=1, seq_len=4, chunk_bytes=4096)

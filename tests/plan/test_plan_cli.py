@@ -214,3 +214,48 @@ def test_show_ops_times_include_the_node(capsys):
     rows = _listing(capsys.readouterr().out)
     pulls = [r for r in rows if r[3] == "Wait" and r[4] == "pull"]
     assert pulls and all(float(r[2]) >= float(r[1]) for r in rows)
+
+
+# -- kept graphs chosen by the budget ([Note: kept graphs chosen by the budget] in engine/kept.py) -------------
+
+GPT_175B_40GIB = ("--model", "gpt-175b", "--device-mem", "40GiB", "--host-mem", "256GiB", "--nvme-size", "4TiB")
+
+
+def test_gpt_175b_plans_with_recomputation_where_keeping_every_graph_does_not_fit(capsys):
+    """The run of issue 21: 40 GiB hold no more than one block's graph beside the plan, so auto keeps that
+    many and recomputes the rest (it was refused for 812 GiB of activations); all is refused as asked."""
+    code, out = run_json(capsys, *GPT_175B_40GIB)
+    assert code == 0 and out["fits"], out.get("reason")
+    assert out["kept_graphs"] == {"count": 1, "of": 97, "request": "auto"}
+    assert out["peak_bytes"]["device"] <= 40 * 2**30 and out["activation_bytes"] < 40 * 2**30
+    code, every = run_json(capsys, *GPT_175B_40GIB, "--keep-graphs", "all")
+    assert code == 1 and every["kept_graphs"] == {"count": 97, "of": 97, "request": "all"}
+    assert every["activation_bytes"] > 700 * 2**30 and "device memory" in every["reason"]
+
+
+def test_kept_graphs_are_the_same_with_a_gpu_and_without(capsys, monkeypatch):
+    """The device is the GPU or the CPU arena, its budget --device-mem either way: the same budgets keep the
+    same graphs (auto meant all on the CPU and none on a GPU)."""
+    import torch
+
+    argv = ("--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "16", "--device-mem", "5MiB",
+            "--host-mem", "64MiB", "--offload-params", "host", "--offload-optimizer", "host", "--offload-grads",
+            "host", "--nvme-size", "0", "--profile", "builtin")
+    outs = {}
+    for gpu in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        code, outs[gpu] = run_json(capsys, *argv)
+        assert code == 0, outs[gpu].get("reason")
+    assert outs[False] == outs[True]
+    assert 0 < outs[True]["kept_graphs"]["count"] < outs[True]["kept_graphs"]["of"]
+
+
+def test_the_demo_keeps_every_graph_and_the_text_says_how_many(capsys):
+    code, out = run_json(capsys)
+    assert code == 0 and out["kept_graphs"] == {"count": 5, "of": 5, "request": "auto"}
+    assert main(["plan", "--keep-graphs", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "kept graphs: 2 of 5 units keep their forward graph until backward; the others recompute" in text
+    assert main(["plan"]) == 0
+    assert "kept graphs: 5 of 5 units keep their forward graph until backward (--keep-graphs auto: the most " \
+           "that fit the device budget)" in capsys.readouterr().out
