@@ -206,10 +206,12 @@ def read_trace(path: str) -> list[list[dict]]:
 def breakdown(events: list[dict], *, step_s: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
     """[Note: where a step's time goes] of one rank's trace events, over ``[0, step_s]`` (the step's time from
     its log, whose start is the trace's zero) or the events' span if longer: (parts, busy per queue), seconds."""
+    from luwu_rt.exec.trace import covered_s
+
     spans: dict[str, list[tuple[float, float]]] = {}
     for e in events:
         spans.setdefault(e["tid"], []).append((e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
-    busy = {q: sum(b - a for a, b in s) for q, s in spans.items()}
+    busy = {q: covered_s(s) for q, s in spans.items()}  # reads in flight together count once
     if not spans:
         return dict.fromkeys(_PARTS, 0.0), busy
     start = min(0.0, *(a for s in spans.values() for a, _ in s))

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from luwu_rt.exec.speculate import SpeculativeRuns
     from luwu_rt.exec.step import OptimizerStep, StepOutcome, StepResult
     from luwu_rt.exec.streams import DeferredStream, HostStream, Queues
-    from luwu_rt.exec.trace import Span, busy_by_queue, write_chrome_trace, write_rank_traces
+    from luwu_rt.exec.trace import Span, busy_by_queue, covered_s, write_chrome_trace, write_rank_traces
     from luwu_rt.exec.views import state_dtypes, typed_views
 
 _WHERE = {
@@ -28,7 +28,7 @@ _WHERE = {
     "AdamWHyper": "optim", "LocalOptimizer": "place", "OptimizerPlace": "place", "StepFn": "place",
     "SpeculativeRuns": "speculate", "OptimizerStep": "step", "StepOutcome": "step", "StepResult": "step",
     "DeferredStream": "streams",
-    "HostStream": "streams", "Queues": "streams", "Span": "trace", "busy_by_queue": "trace",
+    "HostStream": "streams", "Queues": "streams", "Span": "trace", "busy_by_queue": "trace", "covered_s": "trace",
     "write_chrome_trace": "trace", "write_rank_traces": "trace", "state_dtypes": "views", "typed_views": "views",
 }
 """Public name -> the module of this package that defines it."""
@@ -36,7 +36,8 @@ _WHERE = {
 __all__ = ["AdamWHandler", "AdamWHyper", "Chaos", "DONE", "DeferredStream", "Executor", "Handle", "Handler",
            "HostStream", "LocalOptimizer", "NormHandlers", "OptimizerPlace", "OptimizerStep", "Queues", "Span",
            "SpeculativeRuns",
-           "StepFn", "StepOutcome", "StepResult", "Views", "WaitAll", "busy_by_queue", "state_dtypes", "typed_views",
+           "StepFn", "StepOutcome", "StepResult", "Views", "WaitAll", "busy_by_queue", "covered_s", "state_dtypes",
+           "typed_views",
            "write_chrome_trace", "write_rank_traces"]
 assert sorted(__all__) == sorted(_WHERE)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from luwu_rt.plan.ops import Op
 
-__all__ = ["Span", "busy_by_queue", "write_chrome_trace", "write_rank_traces"]
+__all__ = ["Span", "busy_by_queue", "covered_s", "write_chrome_trace", "write_rank_traces"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +35,24 @@ class Span:
 
 
 def busy_by_queue(spans: Iterable[Span]) -> dict[str, float]:
-    """Seconds each queue spent inside its ops' work: what a step's metrics break its time into (the
-    queues overlap, so the sum may exceed the step)."""
-    busy: dict[str, float] = {}
+    """Seconds each queue spent with at least one of its ops in flight: what a step's metrics break its time
+    into. Spans of one queue may overlap (an IO queue keeps several reads in flight), so a queue's busy time
+    is the length of the union of its spans (``covered_s``), never more than the step; the queues overlap
+    each other, so the sum over queues may exceed the step."""
+    by_queue: dict[str, list[tuple[float, float]]] = {}
     for s in spans:
-        busy[s.queue] = busy.get(s.queue, 0.0) + (s.end_s - s.start_s)
-    return busy
+        by_queue.setdefault(s.queue, []).append((s.start_s, s.end_s))
+    return {queue: covered_s(intervals) for queue, intervals in by_queue.items()}
+
+
+def covered_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: time covered by at least one of them."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:  # the part of this interval past what the earlier ones covered
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def write_chrome_trace(spans: Iterable[Span], path: str | os.PathLike) -> None:

@@ -35,7 +35,9 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW)."""
     grad_clip: float = field(default=1.0, metadata=flag(
-        "global-norm clip, 0 off; with it (or with fp16) each update waits for the whole backward", plans=True))
+        "global-norm clip, 0 off; exact: where the optimizer state is double-buffered on NVMe updates "
+        "speculate and a step that needed clipping is redone, elsewhere (and with fp16) each update waits for the "
+        "step's norm", plans=True))
     """Clip the global gradient norm to this; 0 disables clipping."""
 
     def __post_init__(self) -> None:
