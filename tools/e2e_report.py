@@ -38,10 +38,11 @@ TESTBED = ROOT / "benchmarks" / "profiles" / "luwu-testbed.json"
 PAPER = {"node_tokens_per_s": 134.0, "speedup_over_zero_infinity": 3.98}
 """The LuWu paper's published figures: 175B on 8 workers with the in-network optimizer node, and its speed-up
 over 8-worker ZeRO-Infinity."""
-TESTBED_FLAGS = ["--model", "gpt-175b", "--seq-len", "2048", "--batch-size", "1", "--dtype", "bf16",
-                 "--device-mem", "40GiB", "--host-mem", "256GiB", "--nvme-size", "3840GB", "--chunk-size", "64MiB"]
-"""A worker of the testbed: one A100-40GB, 256 GB of host memory, one 3.84 TB NVMe SSD (assumed, for
-ZeRO-Infinity's offload); GPT-3's 2048-token sequences, one per worker per step (assumed)."""
+TESTBED_FLAGS = ["--model", "gpt-175b", "--seq-len", "2048", "--dtype", "bf16", "--device-mem", "40GiB",
+                 "--nvme-size", "3840GB", "--chunk-size", "64MiB"]
+"""A worker of the testbed: one A100-40GB, one 3.84 TB NVMe SSD (assumed, for ZeRO-Infinity's offload);
+GPT-3's 2048-token sequences. Its host memory (256 GB in the paper) and its sequences per step (one,
+assumed) are each row's ``--host-mem`` and ``--batch-size``."""
 NODE_FLAGS = ["--node-host-mem", "512GiB", "--node-nvme-size", "46TB"]
 """The optimizer node: 512 GiB of host memory (assumed) and 12 x 3.84 TB NVMe SSDs."""
 
@@ -480,12 +481,22 @@ def testbed_paragraph(t: dict) -> str:
                    "the gap is what a planned schedule would gain over it on that hardware, not a measurement.")
     else:
         out.append("zero3 was not planned on this profile (see the table).")
+    nodes = sorted((r for r in t["eight"] if r["strategy"] == "node" and r["batch"] == 1 and "error" not in r
+                    and r.get("fits")), key=lambda r: (r["host_mem"] != "256GiB", r["shards"]))
+    node = node or (nodes[0] if nodes else None)
     if node:
         nt = _tokens_per_s(node, 8)
-        out.append(f"The node strategy is predicted at {nt:.1f} tokens/s ({nt / paper['node_tokens_per_s'] - 1:+.0%} "
-                   f"against the paper), {node['bottleneck']}-bound"
+        out.append(f"The node strategy ({node['shards']} node shard(s), {node['host_mem']} per worker) is predicted at "
+                   f"{nt:.1f} tokens/s ({nt / paper['node_tokens_per_s'] - 1:+.0%} against the paper), "
+                   f"{node['bottleneck']}-bound"
                    + (f", node / zero3 = {nt / _tokens_per_s(z3, 8):.2f}x against the paper's "
                       f"{paper['speedup_over_zero_infinity']}x" if z3 else "") + ".")
+        if node["bottleneck"] == "push":
+            out.append("Push-bound means the node's network link: every worker pushes its whole gradient to the "
+                       "node each step, so one node's ingress carries eight workers' gradients, where zero3's "
+                       "reduce-scatter spreads the same bytes over every worker's link; node shards split that "
+                       "ingress" + (f": with {nodes[-1]['shards']} shards node is predicted at "
+                                    f"{_tokens_per_s(nodes[-1], 8):.1f} tokens/s" if len(nodes) > 1 else "") + ".")
     else:
         refused = next((r for r in t["eight"] if r["strategy"] == "node"), None)
         out.append("The node strategy was not planned on this profile"
