@@ -17,12 +17,15 @@ committed, redone, skipped, waited), the cost of the redos (the seconds the redo
 steps took beyond as many committed steps of the median) and the final loss; per
 clipping contestant the ratio of its median step to the clipping-off one, over
 all steps and over its committed steps only (target: <= 1.05x when no redo
-happens). Step 1 of each engine is its warm-up: counted, not timed. With several
-rounds the contestants take turns, the order rotated, and each ratio is the median
-of the rounds' ratios. wait, adaptive and always are all exact ``clip_grad_norm_``
+happens). Step 1 of each engine is its warm-up: counted, not timed. Within a
+round the contestants' engines are all alive and take turns every ``--interleave``
+steps (the last step's tail of write-backs drained, untimed, before the next
+turn), so that the drift of a shared machine hits all of them alike; with several
+rounds each trains from scratch again, the order rotated, and each ratio is the
+median of the rounds' ratios. wait, adaptive and always are all exact ``clip_grad_norm_``
 + AdamW: their losses must be the same at every step, or the script exits 1.
 
-    python benchmarks/bench_speculate.py [--steps 300] [--rounds 1] [--nvme-dir DIR] --out FILE
+    python benchmarks/bench_speculate.py [--steps 300] [--rounds 1] [--interleave 10] [--nvme-dir DIR] --out FILE
 """
 
 from __future__ import annotations
@@ -96,37 +99,56 @@ def _config(args: argparse.Namespace, *, clip: float, nvme_dir: str) -> TrainCon
                                       "offload": offload})
 
 
-def _run(name: str, args: argparse.Namespace, scratch: Path) -> Run:
-    """Trains one contestant from scratch for ``args.steps`` steps on the configured (default) data."""
+def _start(name: str, args: argparse.Namespace, scratch: Path) -> tuple[Engine, Run]:
+    """A contestant's engine, built from scratch, and its empty record."""
     clip, mode = CONTESTANTS[name]
     engine = Engine(None, _config(args, clip=clip, nvme_dir=str(scratch / name.replace(" ", "-"))))
+    if engine.speculation is not None:
+        engine.speculation.step.speculation = mode
+    plan = ("double-buffered" if engine.speculation is not None else "in place (no norm to wait for)"
+            if mode is None else NOT_DOUBLE_BUFFERED)
+    p = engine.placement
+    engine.sampler()  # reads the corpus: not a step's time
+    return engine, Run(name=name, plan=plan, placement=f"params {p.params}, optimizer {p.optimizer}, grads {p.grads}")
+
+
+def _steps(engine: Engine, run: Run, count: int) -> None:
+    """``count`` timed steps of ``engine`` on the configured (default) data, recorded in ``run``."""
+    spec = engine.speculation
+    for _ in range(count):
+        start = time.perf_counter()
+        m = engine.train_step()
+        run.times.append(time.perf_counter() - start)
+        run.ends.append(spec.last if spec is not None else "")
+        run.losses.append(m["loss"])
+        run.norms.append(m["grad_norm"])
+    # The last step's tail of write-backs ([Note: steady state]) must not run on beside the next contestant's
+    # turn: it ends here, untimed.
+    engine.queues.drain()
+    run.counts = dict(spec.counts) if spec is not None else {}
+
+
+def _round(names: list[str], args: argparse.Namespace, scratch: Path) -> dict[str, Run]:
+    """Every contestant trains from scratch for ``args.steps`` steps, taking turns every ``args.interleave`` steps
+    (0: all of its steps in one turn), in the order of ``names``."""
+    started: dict[str, tuple[Engine, Run]] = {}
     try:
-        spec = engine.speculation
-        if spec is not None:
-            spec.step.speculation = mode
-        plan = ("double-buffered" if spec is not None else "in place (no norm to wait for)"
-                if mode is None else NOT_DOUBLE_BUFFERED)
-        p = engine.placement
-        run = Run(name=name, plan=plan, placement=f"params {p.params}, optimizer {p.optimizer}, grads {p.grads}")
-        engine.sampler()  # reads the corpus: not a step's time
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            m = engine.train_step()
-            run.times.append(time.perf_counter() - start)
-            run.ends.append(spec.last if spec is not None else "")
-            run.losses.append(m["loss"])
-            run.norms.append(m["grad_norm"])
-        run.counts = dict(spec.counts) if spec is not None else {}
-        return run
+        for name in names:
+            started[name] = _start(name, args, scratch)
+        turn = args.interleave or args.steps
+        for done in range(0, args.steps, turn):
+            for engine, run in started.values():
+                _steps(engine, run, min(turn, args.steps - done))
     finally:
-        engine.close()
+        for engine, _ in started.values():
+            engine.close()
+    return {name: run for name, (_, run) in started.items()}
 
 
 def _warm_up(args: argparse.Namespace, scratch: Path) -> None:
     """A few untimed steps in this process first: thread pools, allocator caches, the corpus's page cache."""
-    warm = argparse.Namespace(**{**vars(args), "steps": args.warmup})
-    if warm.steps:
-        _run("always", warm, scratch / "warm-up")
+    if args.warmup:
+        _round(["always"], argparse.Namespace(**{**vars(args), "steps": args.warmup}), scratch / "warm-up")
 
 
 def _fmt(x: float, digits: int = 3, unit: str = "") -> str:
@@ -182,7 +204,8 @@ def _header(args: argparse.Namespace, rounds: list[dict[str, Run]], *, load_befo
             f"Command: `python benchmarks/bench_speculate.py {' '.join(sys.argv[1:])}`", "",
             f"Run: {args.model}, batch {args.batch_size} x {args.seq_len} tokens, seed {args.seed}, {args.steps} "
             f"steps from scratch per contestant on the default corpus (`luwu train`'s), optimizer state forced onto "
-            f"NVMe ({placements}); budgets device {args.device_mem}, host {args.host_mem}; {args.rounds} round(s). "
+            f"NVMe ({placements}); budgets device {args.device_mem}, host {args.host_mem}; {args.rounds} round(s), "
+            f"the contestants taking turns every {args.interleave or args.steps} steps. "
             f"Step 1 of each engine is its warm-up: counted, not timed. The norm exceeds the clip threshold 1.0 in "
             f"{clipped} of {args.steps} steps.", ""]
 
@@ -244,6 +267,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device-mem", default="auto")
     parser.add_argument("--host-mem", default="auto")
+    parser.add_argument("--interleave", type=int, default=10,
+                        help="steps a contestant runs before the next takes its turn, all engines alive (0: all of "
+                             "its steps in one turn; default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of a throwaway engine first")
     parser.add_argument("--nvme-dir", default=None, help="scratch directory for the NVMe tier (default: a temp dir)")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
@@ -264,10 +290,8 @@ def main() -> int:
         names = list(CONTESTANTS)
         for i in range(args.rounds):
             order = names[i % len(names):] + names[:i % len(names)]  # rotated: drift hits all alike
-            runs = {}
-            for name in order:
-                runs[name] = _run(name, args, Path(scratch) / f"round-{i}")
-                r = runs[name]
+            runs = _round(order, args, Path(scratch) / f"round-{i}")
+            for name, r in runs.items():
                 print(f"round {i + 1} {name}: median {_fmt(r.median())} s, {r.counts or r.plan}", file=sys.stderr,
                       flush=True)
             rounds.append(runs)

@@ -123,6 +123,7 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                           r"\| torch-ddp-bf16 \| \d+\.\d+ \|",
                                           r"P13 verdict: onebit sends \d+\.\dx fewer bytes on the wire"])],
         "bench_speculate.py": [Run(args=["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
+                                         "--interleave", "2",
                                          "--nvme-dir", f"{tmp}/nvme", "--out", f"{tmp}/speculate.md"],
                                    out=f"{tmp}/speculate.md",
                                    expect=[r"\| 1 \| clip off \| in place \(no norm to wait for\) \| \d",
