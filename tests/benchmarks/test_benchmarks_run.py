@@ -122,6 +122,19 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                           r"\| ours-onebit \| \d+\.\d+ \| \d+\.\d kB \| \d+\.\d kB \|",
                                           r"\| torch-ddp-bf16 \| \d+\.\d+ \|",
                                           r"P13 verdict: onebit sends \d+\.\dx fewer bytes on the wire"])],
+        "bench_speculate.py": [Run(args=["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
+                                         "--interleave", "2",
+                                         "--nvme-dir", f"{tmp}/nvme", "--out", f"{tmp}/speculate.md"],
+                                   out=f"{tmp}/speculate.md",
+                                   expect=[r"\| 1 \| clip off \| in place \(no norm to wait for\) \| \d",
+                                           r"\| 1 \| wait \| double-buffered \| [\d.]+ \| [\d.]+ "
+                                           r"\| 0 \| 0 \| 0 \| 3 \|",  # every step waited
+                                           r"\| 1 \| always \| double-buffered \| [\d.]+ \| [\d.]+ "
+                                           r"\| \d \| \d \| 0 \| 0 \|",  # every step speculated
+                                           r"\| adaptive \| \d+\.\d+x \| (\d+\.\d+x|n/a) \| \d+\.\d+x \|",
+                                           r"always: \d redo\(s\) in 3 steps",
+                                           r"Exactness: wait, adaptive and always gave the same loss at every one of "
+                                           r"the 3 steps"])],
         "bench_train.py": [Run(args=["--part", "both", "--p5-model", "gpt-tiny", "--p5-batch-size", "1",
                                      "--p5-seq-len", "16", "--p5-rounds", "1", "--p5-steps", "1", "--p5-warmup", "1",
                                      "--p5-device-mem", "64MiB", "--p5-host-mem", "128MiB",
