@@ -17,11 +17,11 @@ norm is known would cost a step's worth of gradient memory, or its write to
 NVMe, on every step, where a redo costs one step when it happens.
 
 How often it happens is up to the norms. On the default corpus (gpt-tiny,
-clipping 1.0, 300 steps) the norm exceeds 1 in 47 steps, mostly in the first 40
-and then in short runs. So ``OptimizerStep.speculation`` defaults to
+clipping 1.0, 300 steps) the norm exceeds 1 in 50 steps, mostly in the first 40
+and then in short runs (benchmarks/bench_speculate.py). So ``OptimizerStep.speculation`` defaults to
 ``adaptive``: a step speculates unless the step before it needed clipping (or
 was skipped), in which case it waits, as clipping persists from step to step;
-that turned the 47 redos into 22 there (and 47 steps that waited instead).
+that turned the 50 redos into 24 there (and 50 steps that waited instead).
 ``always`` and ``never`` are for tests and measurements.
 
 A skipped step (fp16, a norm that is not finite) needs no second run: the
