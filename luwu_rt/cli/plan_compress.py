@@ -21,6 +21,11 @@ def describe_compression(model, result, *, request: str, profile, budgets, place
     units = [{"unit": c.unit, "name": model.units[c.unit].name, "codec": c.codec, "raw_bytes": c.raw_bytes,
               "wire_bytes": c.wire_bytes, "raw_s": c.raw_s, "sync_s": c.sync_s}
              for c in unit_choices(model, strategy, profile)] if strategy.name in ("ddp", "zero1", "zero2") else []
+    if strategy.name == "node":  # pushes: their bytes from the plan ([Note: compressed pushes] in plan/codec.py)
+        units = [{"unit": op.unit, "name": model.units[op.unit].name, "codec": strategy.codec(op.unit),
+                  "raw_bytes": 4 * model.units[op.unit].num_params, "wire_bytes": op.comm_bytes, "raw_s": None,
+                  "sync_s": None} for op in sorted((o for o in result.plan.ops if o.kind == "Push"),
+                                                   key=lambda o: o.unit)]
     plain = plan_step(model, budgets=budgets, placement=result.placement, strategy=replace(strategy, compress=()),
                       policy=policy)
     plain_s = estimate(plain, profile).predicted_step_s
@@ -38,8 +43,9 @@ def compression_text(c: dict[str, Any], predicted_s: float) -> list[str]:
         return lines + ["  none: this strategy runs no compressible gradient collective"]
     lines.append(f"  {'unit':<10} {'codec':<12} {'raw':>10} {'sent':>10} {'raw s':>10} {'with codec s':>13}")
     for u in c["units"]:
+        times = f"{u['raw_s']:>10.3g} {u['sync_s']:>13.3g}" if u["raw_s"] is not None else f"{'-':>10} {'-':>13}"
         lines.append(f"  {u['name']:<10} {u['codec']:<12} {format_size(u['raw_bytes']):>10} "
-                     f"{format_size(u['wire_bytes']):>10} {u['raw_s']:>10.3g} {u['sync_s']:>13.3g}")
+                     f"{format_size(u['wire_bytes']):>10} {times}")
     saved = c["uncompressed_wire_bytes_per_step"] - c["wire_bytes_per_step"]
     lines.append(f"  step: {format_size(c['wire_bytes_per_step'])} sent per rank instead of "
                  f"{format_size(c['uncompressed_wire_bytes_per_step'])} ({format_size(max(saved, 0))} saved); "

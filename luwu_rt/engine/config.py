@@ -22,7 +22,7 @@ from luwu_rt.models.presets import PRESETS
 from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan.codec import COMPRESSING_STRATEGIES, parse_request
 from luwu_rt.plan.sizes import parse_size
-from luwu_rt.plan.spec import STRATEGIES
+from luwu_rt.plan.spec import STRATEGIES, Strategy
 
 __all__ = ["CheckpointConfig", "OffloadConfig", "OptimConfig", "TrainConfig", "resumed_settings"]
 
@@ -220,13 +220,14 @@ class TrainConfig:
     """Strategy ``node`` with a node started with ``--auth-keys``: this worker's ``.key_secret`` file from
     ``luwu node keygen`` (the node's ``node.key`` beside it)."""
     compress: str = field(default="none", metadata=flag(
-        "gradient compression of ddp, zero1 and zero2 with error feedback: none, bf16, fp16, onebit, topk:RATIO, "
-        "powersgd:RANK, or auto (the cost model picks per unit among bf16 and onebit, or auto:C1,C2,... among those "
-        "named; luwu plan shows its choice)", metavar="CODEC", plans=True))
+        "gradient compression of ddp, zero1, zero2 and node pushes with error feedback: none, bf16, fp16, onebit, "
+        "topk:RATIO, powersgd:RANK (not node), or auto (not node: the cost model picks per unit among bf16 and "
+        "onebit, or auto:C1,C2,... among those named; luwu plan shows its choice)", metavar="CODEC", plans=True))
     """Gradient codec of the data-parallel synchronisation ([Note: codecs on the wire] in plan/codec.py): ``none``,
     ``bf16``, ``fp16``, ``onebit``, ``topk:RATIO``, ``powersgd:RANK`` for every unit, or ``auto`` /
     ``auto:C1,C2,...``: per unit the fastest of none and the codecs named, by the cost model ([Note: selective
-    compression] in plan/compression.py). ``ddp``, ``zero1`` and ``zero2`` only; one rank compresses nothing."""
+    compression] in plan/compression.py). ``ddp``, ``zero1`` and ``zero2`` (one rank compresses nothing), and
+    ``node``'s pushes with one elementwise codec ([Note: compressed pushes] in plan/codec.py)."""
     shard_group_size: int = field(default=0, metadata=flag(
         "hsdp: ranks per sharding group, e.g. the GPUs of one server (default {default}: min(8, world size))",
         aliases=("--group-size",), metavar="G", plans=True))
@@ -279,10 +280,15 @@ class TrainConfig:
         if self.node and self.strategy != "node":
             raise ValueError(f"--node {self.node} applies to --strategy node, not {self.strategy}")
         auto, codecs = parse_request(self.compress)  # a ValueError naming --compress and the choices
-        if not auto and codecs != ("none",) and self.strategy not in ("auto",) + COMPRESSING_STRATEGIES:
+        if self.strategy == "node" and auto:
+            raise ValueError(f"--compress {self.compress} is not offered for --strategy node (the cost model prices "
+                             f"collectives, not pushes): name one codec of bf16, fp16, onebit, topk:RATIO, or none")
+        if self.strategy == "node" and codecs != ("none",):
+            Strategy(name="node", compress=codecs)  # powersgd: a ValueError naming the codecs node pushes take
+        elif not auto and codecs != ("none",) and self.strategy not in ("auto",) + COMPRESSING_STRATEGIES:
             raise ValueError(f"--compress {self.compress} applies to --strategy {', '.join(COMPRESSING_STRATEGIES)} "
-                             f"(or auto), not {self.strategy}: zero3 and hsdp gather parameters uncompressed and node "
-                             f"pushes are not compressed yet; use --compress none or auto")
+                             f"(or auto) and node, not {self.strategy}: zero3 and hsdp gather parameters "
+                             f"uncompressed; use --compress none or auto")
         if not isinstance(self.shard_group_size, int) or self.shard_group_size < 0:
             raise ValueError(f"shard_group_size must be an integer >= 0, got {self.shard_group_size!r}")
         if self.shard_group_size and self.strategy not in ("hsdp", "auto"):

@@ -43,6 +43,7 @@ from torch import nn
 
 from luwu_rt.config import from_mapping
 from luwu_rt.dist import CollectiveHandlers, TorchGroup
+from luwu_rt.dist.compressed import CodecHandlers
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, new_run_id, run_checkpoints
 from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
@@ -216,7 +217,8 @@ class Engine:
         placement = Placement(params=off.params, optimizer=off.optimizer, grads=off.grads)
         strategies = candidate_strategies(self.config.strategy, world_size=world.size,
                                           shard_group_size=self.config.shard_group_size,
-                                          compress=self.config.compress)
+                                          compress=self.config.compress,
+                                          node_shards=len(self.config.node.split(",")) if self.config.node else 1)
         # Placement and strategy "auto" choose by predicted step time: on this machine's figures where known.
         # Rank 0's profile for every rank: a rank on another machine with a cached calibration of its own would
         # otherwise plan differently.
@@ -300,10 +302,14 @@ class Engine:
         if self.strategy.name == "node":
             from luwu_rt.node.worker import NodeWorker
 
+            # A compressed push is encoded by the data-parallel strategies' Encode ([Note: compressed pushes]).
+            codec = self.strategy.compress[0] if self.strategy.compresses else "none"
+            encode = CodecHandlers(self.plan.shards, rank=self.world.rank).encode if self.strategy.compresses else None
             return NodeWorker(address=c.node, plan=self.plan, store=self.store, model=self.model_spec, optim=c.optim,
                               total_steps=c.steps, dtype=c.dtype, param_dtype=self.param_dtype,
                               loss_scale=self.loss_scale, rank=self.world.rank, num_workers=self.world.size,
-                              all_reduce=self.world.all_reduce, timeout_s=c.timeout_s, node_key=c.node_key)
+                              all_reduce=self.world.all_reduce, timeout_s=c.timeout_s, node_key=c.node_key,
+                              compress=codec, encode=encode)
         step = OptimizerStep(self.plan.shards, optim=c.optim, total_steps=c.steps, loss_scale=self.loss_scale,
                              param_dtype=self.param_dtype, grad_dtype=grad_dtype)
         collectives = {}

@@ -26,10 +26,13 @@ __all__ = ["candidate_strategies", "choose_plan", "plan_digest"]
 
 
 def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0,
-                         compress: str = "none") -> list[Strategy]:
+                         compress: str = "none", node_shards: int = 1) -> list[Strategy]:
     """The strategies a run of ``world_size`` ranks may use under ``TrainConfig.strategy == name``; under
-    ``auto`` with a codec named by ``compress``, only those that compress (``auto`` compression keeps all)."""
+    ``auto`` with a codec named by ``compress``, only those that compress (``auto`` compression keeps all).
+    ``node_shards``: strategy node's node shards (``--node``'s addresses)."""
     out = _candidates(name, world_size=world_size, shard_group_size=shard_group_size)
+    if name == "node":
+        out = [replace(s, node_shards=node_shards) for s in out]
     auto, codecs = parse_request(compress)
     if name == "auto" and not auto and codecs != ("none",):
         out = [s for s in out if s.name in COMPRESSING_STRATEGIES]

@@ -249,9 +249,10 @@ class NodeClient:
                    deadline=time.monotonic() + self.timeout_s, late=late, grace_s=0.0)
         return self.welcome
 
-    def push(self, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]]):
-        """Sends ``unit``'s fp32 gradient for ``step``: ``pieces`` are ``(byte offset in the buffer the node
-        keeps of the unit, tensor)``, in order and together the whole buffer. A message chunk within one piece
+    def push(self, step: int, unit: int, pieces: list[tuple[int, torch.Tensor]], *, dtype: str = "float32"):
+        """Sends ``unit``'s fp32 gradient for ``step`` (``dtype`` ``uint8``: a codec's payload of it): ``pieces``
+        are ``(byte offset in the buffer the node keeps of the unit, tensor)``, in order and together the whole
+        buffer. A message chunk within one piece
         is sent as a view of it; one that spans two (a node shard's slice starts anywhere: [Note: node
         shards] in shards.py) as a copy of its parts ([Note: wire chunks] in chunks.py). The handle waits for
         the node's ACKs."""
@@ -262,7 +263,7 @@ class NodeClient:
         what = f"worker {self.rank}: pushing unit {unit} of step {step}"
         for i, (offset, data) in enumerate(chunks):
             self._send_credited(Message(T.PUSH_GRAD, job=self.job, rank=self.rank, step=step, unit=unit,
-                                        chunk=offset // self.chunk_bytes, offset=offset, dtype=DTYPE_CODES["float32"],
+                                        chunk=offset // self.chunk_bytes, offset=offset, dtype=DTYPE_CODES[dtype],
                                         epoch=self.epoch, payload=data), what, flush=i == len(chunks) - 1)
         return _Wait(self, transfer, what)
 

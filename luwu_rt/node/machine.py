@@ -53,7 +53,8 @@ from .chunks import Assembly, cut
 from .config import NodeConfig
 from .events import (Begin, Event, NormsKnown, ReadState, Refusal, StateRead, StepDone, UnitServed)
 from .manifest import MAX_HELLO_BYTES, first_difference, job_id, parse_manifest
-from .protocol import DTYPE_CODES, INIT_STATES, F, Message, ProtocolError, T, decode, encode, peek
+from .protocol import (DTYPE_CODES, INIT_STATES, OLDEST_HEADER, VERSION, F, Message, ProtocolError, T, decode, encode,
+                       old_version, peek)
 from .runner import NodeRunner
 from .shards import NormHub, pack_norms, unpack_norms
 
@@ -162,6 +163,8 @@ class NodeProtocol:
             handler(identity, msg)
         except ProtocolError as exc:
             self.rejects[exc.reason] += 1
+            if exc.reason == "version":
+                self._old_hello(identity, frames)
         except Exception as exc:  # a bug of ours, not the peer's: counted and logged, the node stays up
             self.rejects["internal"] += 1
             self.log(f"internal error on a message: {type(exc).__name__}: {exc}")
@@ -175,6 +178,20 @@ class NodeProtocol:
         self._refusals(f"refused a worker: {text}")
         payload = (peer_text or text).encode()
         self.reply(identity, Message(T.ERROR, epoch=self.epoch, dtype=DTYPE_CODES["utf8"], payload=payload))
+
+    def _old_hello(self, identity: bytes, frames: list) -> None:
+        """A HELLO of another protocol version: refused by name, in that version's header where it shares ours
+        (``OLDEST_HEADER``), so that the worker can read why ([Note: strangers]: its bytes were counted)."""
+        found = old_version(frames)
+        if found is None:
+            return
+        version, rank = found
+        text = (f"worker {rank} speaks node protocol version {version}, this node version {VERSION}: run the same "
+                f"luwu_rt on the node and the workers")
+        self._refusals(f"refused a worker: {text}")
+        reply = Message(T.ERROR, epoch=self.epoch, dtype=DTYPE_CODES["utf8"], payload=text.encode())
+        same_header = OLDEST_HEADER <= version < VERSION
+        self.outbox.append((identity, encode(reply, version=version if same_header else VERSION)))
 
     def _stranger(self, identity: bytes, frames: list) -> None:
         """Raises ``ProtocolError`` for what a peer not admitted may not send, by its header alone
@@ -328,8 +345,8 @@ class NodeProtocol:
         self.reply(identity, Message(T.HEARTBEAT, job=self.job, epoch=self.epoch))
 
     def _push(self, identity: bytes, msg: Message) -> None:
-        if msg.dtype != DTYPE_CODES["float32"]:
-            raise ProtocolError("dtype", "gradients are pushed in fp32")
+        if msg.dtype != DTYPE_CODES[self.runner.pushes.dtype]:
+            raise ProtocolError("dtype", f"this run's gradients are pushed as {self.runner.pushes.dtype}")
         fresh = self.runner.pushes.offer(rank=msg.rank, step=msg.step, unit=msg.unit, offset=msg.offset,
                                          payload=msg.payload)
         self.duplicates += not fresh

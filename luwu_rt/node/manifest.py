@@ -6,8 +6,10 @@ parameter count and the units it reads; compute dtype bytes; chunk bytes;
 plan granularity; whether updates wait for the global norm), ``optim`` (the
 ``OptimConfig`` fields: AdamW's hyper-parameters, the warmup/cosine schedule
 and clipping), ``steps`` (the schedule's length), ``dtype`` and ``loss_scale``,
-``num_workers`` and ``start_step``/``adam_step`` (where the workers' run
-resumes). Every worker's manifest must be equal to worker 0's; ``difference``
+``num_workers``, ``start_step``/``adam_step`` (where the workers' run
+resumes) and ``compress``, the codec of the workers' pushes (``none``, or one
+of ``plan.codec.NODE_CODECS``: [Note: compressed pushes] in plan/codec.py).
+Every worker's manifest must be equal to worker 0's; ``difference``
 names the first key that is not, so the refusal says which flag to fix. The
 node needs nothing else about the model: it never sees its code.
 
@@ -35,6 +37,7 @@ from typing import Any
 from luwu_rt.config import from_mapping
 from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan import ModelSpec, UnitSpec
+from luwu_rt.plan.codec import NODE_CODECS, parse_codec
 
 from .config import check_address
 from .protocol import MAX_PAYLOAD_BYTES
@@ -53,7 +56,7 @@ MAX_NODE_SHARDS = 256
 MAX_STEPS = 2**31 - 1
 _PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _TOP = {"manifest_version", "nodes", "model", "optim", "steps", "dtype", "loss_scale", "num_workers", "start_step",
-        "adam_step"}
+        "adam_step", "compress"}
 _MODEL = {"units", "param_bytes", "chunk_bytes", "max_shards_per_state", "optimizer_waits_for_backward"}
 _UNIT = {"name", "num_params", "reads"}
 
@@ -139,6 +142,15 @@ def parse_manifest(payload: bytes | memoryview) -> dict[str, Any]:
     scale = manifest["loss_scale"]
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"manifest.loss_scale {scale!r}: expected a positive number")
+    codec = manifest["compress"]
+    if not isinstance(codec, str) or len(codec) > 64:
+        raise ValueError("manifest.compress: expected a codec's name")
+    try:
+        spec = parse_codec(codec)
+    except ValueError as exc:
+        raise ValueError(f"manifest.compress: {exc}") from None
+    if spec.family not in ("none",) + NODE_CODECS:
+        raise ValueError(f"manifest.compress {codec!r}: a node decodes none, {', '.join(NODE_CODECS)} (topk:RATIO)")
     optim = manifest["optim"]
     _check_keys(optim, "manifest.optim", required={f.name for f in dataclasses.fields(OptimConfig)})
     from_mapping(OptimConfig, optim, where="manifest.optim")  # types and ranges, as a config file's

@@ -27,7 +27,8 @@ Per message type (W: worker -> node, N: node -> worker):
                 (``step`` 0), for the credit (``CREDIT_CHUNKS``).
   WELCOME    N  payload JSON ``{"step": s, "adam_step": a, "epoch": e}``: training
                 resumes after step s; every later message carries the node's ``epoch``.
-  PUSH_GRAD  W  fp32 gradient bytes of ``unit`` at ``offset``, for ``step``.
+  PUSH_GRAD  W  fp32 gradient bytes of ``unit`` at ``offset``, for ``step``; under a codec
+                (the manifest's ``compress``) the bytes of its payload, dtype ``uint8``.
   ACK        N  a push stored; flag ``DUPLICATE`` when it had been before (or was
                 stale): answered, not applied twice.
   PULL_PARAM W  asks for ``unit``'s parameters after ``step``'s update.
@@ -61,13 +62,18 @@ from dataclasses import dataclass
 from luwu_rt._C import crc32c
 from luwu_rt.plan.dtypes import ELEMENT_BYTES
 
-__all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "Message", "ProtocolError",
-           "T", "VERSION", "F", "decode", "encode", "peek"]
+__all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAYLOAD_BYTES", "OLDEST_HEADER", "Message",
+           "ProtocolError", "T", "VERSION", "F", "decode", "encode", "old_version", "peek"]
 
 MAGIC = b"LUWU"
-VERSION = 3
+VERSION = 4
 """2: STATS, WELCOME with ``adam_step``, heartbeats answered with the node's epoch. 3: CRC-32C instead of
-zlib's CRC32; NORM between node shards; WELCOME names the node's shard; BEGIN, GET_STATE and STATE."""
+zlib's CRC32; NORM between node shards; WELCOME names the node's shard; BEGIN, GET_STATE and STATE. 4: the
+manifest names the run's gradient codec, and a compressed push carries its payload bytes (dtype ``uint8``,
+[Note: compressed pushes] in plan/codec.py); a HELLO of an older version is answered with an ERROR that
+side can read (``encode`` with its ``version``)."""
+OLDEST_HEADER = 3
+"""The oldest version whose header and CRC are this one's: the node can answer its HELLO with an ERROR."""
 HEADER = struct.Struct("<4sBBHIIIiIQQB3xII")
 """magic, version, type, flags, job, rank, step, unit, chunk, offset, nbytes, dtype, epoch, checksum."""
 MAX_PAYLOAD_BYTES = 16 * 2**20
@@ -100,7 +106,7 @@ class F:
     ALL = DUPLICATE | BYE | LAST | UNCHECKED
 
 
-_DTYPE_CODE_NAMES = ("none", "float32", "bfloat16", "float16", "json", "utf8", "float64")
+_DTYPE_CODE_NAMES = ("none", "float32", "bfloat16", "float16", "json", "utf8", "float64", "uint8")
 """The header's dtype codes, by position: the wire's numbering, appended to only. Tensor payloads are named as
 in [Note: dtype names] (plan/dtypes.py), the others are bytes: none, JSON, a UTF-8 line."""
 DTYPES = {code: (name, ELEMENT_BYTES.get(name, 1)) for code, name in enumerate(_DTYPE_CODE_NAMES)}
@@ -142,13 +148,14 @@ class Message:
         return T.NAMES.get(self.type, str(self.type))
 
 
-def encode(msg: Message, *, checksum: bool = True) -> list:
+def encode(msg: Message, *, checksum: bool = True, version: int = VERSION) -> list:
     """The frames of ``msg``: ``[header]`` or ``[header, payload]`` (the payload itself, not a copy).
-    ``checksum=False`` (CURVE transports only) sends flag ``UNCHECKED`` instead of the payload's CRC-32C."""
+    ``checksum=False`` (CURVE transports only) sends flag ``UNCHECKED`` instead of the payload's CRC-32C;
+    ``version``: another than ``VERSION`` only for the ERROR that refuses an older peer (``old_version``)."""
     payload = msg.payload
     n = memoryview(payload).nbytes
     flags = msg.flags | (0 if checksum else F.UNCHECKED)
-    header = HEADER.pack(MAGIC, VERSION, msg.type, flags, msg.job, msg.rank, msg.step, msg.unit, msg.chunk,
+    header = HEADER.pack(MAGIC, version, msg.type, flags, msg.job, msg.rank, msg.step, msg.unit, msg.chunk,
                          msg.offset, n, msg.dtype, msg.epoch, crc32c(payload) if n and checksum else 0)
     return [header, payload] if n else [header]
 
@@ -193,6 +200,19 @@ def decode(frames: list, *, max_payload: int = MAX_PAYLOAD_BYTES, trusted: bool 
     elif nbytes and crc32c(payload) != checksum:
         raise ProtocolError("checksum", "payload CRC-32C does not match the header")
     return Message(kind, flags & ~F.UNCHECKED, job, rank, step, unit, chunk, offset, dtype, epoch, payload)
+
+
+def old_version(frames: list) -> tuple[int, int] | None:
+    """``(version, rank)`` of a HELLO of another protocol version whose header is whole and whose manifest
+    frame is as long as it says (nothing else of it is read): the node answers such a worker by name, not
+    with silence. Anything less is no worker's HELLO and gets no answer."""
+    if len(frames) != 2 or _buffer(frames[0]).nbytes != HEADER.size:
+        return None
+    fields = HEADER.unpack(_buffer(frames[0]))
+    whole = 0 < fields[10] == _buffer(frames[1]).nbytes
+    if fields[0] != MAGIC or fields[1] == VERSION or fields[2] != T.HELLO or not whole:
+        return None
+    return fields[1], fields[5]
 
 
 def peek(frames: list) -> tuple[int, int] | None:

@@ -11,6 +11,9 @@ answered as a duplicate; one for a later step than the next is impossible
 (a worker pushes step s only after it pulled every unit of step s - 1) and
 rejected. A node that speculates keeps each unit's sum until the step is decided
 (``keep``): a step run again reads it a second time, then ``release`` drops it.
+Under a codec ([Note: compressed pushes] in plan/codec.py) a rank's buffer holds
+its payload, and ``take`` decodes the payloads in rank order into the sum, the
+first written and the others added, as a ddp rank sums its all-gathered ones.
 Workers scale their loss by 1 / (N x micro-batches)
 ([Note: data parallelism in the engine]), so the sum is the gradient of the
 global batch's mean loss, as a single-process run computes it.
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from luwu_rt.compress import codec_for
 from luwu_rt.config import from_mapping
 from luwu_rt.exec import (Executor, OptimizerStep, SpeculativeRuns, WaitAll, busy_by_queue, state_dtypes,
                           typed_views)
@@ -59,8 +63,14 @@ class Pushes:
     """Gradients pushed by the workers, per unit ([Note: pushes and the node's Recv])."""
 
     def __init__(self, numels: list[int], *, num_workers: int, chunk_bytes: int, applied: int = 0,
-                 keep: bool = False) -> None:
+                 keep: bool = False, codec: str = "none") -> None:
         self.numels, self.num_workers, self.chunk_bytes = numels, num_workers, chunk_bytes
+        self.codec = None if codec == "none" else codec_for(codec, chunk_numel=chunk_bytes // 4)
+        """The workers' codec, or None: fp32 pushes."""
+        self.dtype = "float32" if self.codec is None else "uint8"
+        """What a push message carries: fp32 gradients, or a codec's payload bytes."""
+        self.nbytes = [4 * n if self.codec is None else self.codec.payload_bytes(n) for n in numels]
+        """Bytes each worker pushes of each unit."""
         self.applied = [applied] * len(numels)
         self.keep = keep
         self.kept: dict[int, torch.Tensor] = {}
@@ -77,7 +87,7 @@ class Pushes:
         Raises ``ProtocolError`` for a unit, rank, step or byte range the node does not expect."""
         if not 0 <= unit < len(self.numels) or not 0 <= rank < self.num_workers:
             raise ProtocolError("range", f"unit {unit} / rank {rank} out of range")
-        chunk_index(offset, len(payload), total=self.numels[unit] * 4, chunk_bytes=self.chunk_bytes)
+        chunk_index(offset, len(payload), total=self.nbytes[unit], chunk_bytes=self.chunk_bytes)
         with self.cond:
             if step <= self.applied[unit]:
                 return False
@@ -86,7 +96,8 @@ class Pushes:
                                               f"{self.applied[unit] + 1}")
             part = self.parts[unit].get(rank)
             if part is None:
-                buf = torch.empty(self.numels[unit], dtype=torch.float32)
+                buf = torch.empty(self.nbytes[unit] // (4 if self.codec is None else 1),
+                                  dtype=torch.float32 if self.codec is None else torch.uint8)
                 part = self.parts[unit][rank] = (buf, Assembly([(0, buf)], chunk_bytes=self.chunk_bytes))
             if not part[1].put(offset, payload):
                 return False
@@ -116,9 +127,14 @@ class Pushes:
             self.applied[unit] = step
         if not parts:
             return
-        total = parts[0][0]
-        for r in range(1, self.num_workers):
-            total += parts[r][0]
+        if self.codec is None:
+            total = parts[0][0]
+            for r in range(1, self.num_workers):
+                total += parts[r][0]
+        else:  # rank order: the bits of a ddp rank's sum of the same payloads
+            total = torch.empty(self.numels[unit], dtype=torch.float32)
+            for r in range(self.num_workers):
+                self.codec.decode(parts[r][0], total, accumulate=r > 0)
         _scatter(total, out)
         if self.keep:
             self.kept[unit] = total
@@ -206,11 +222,16 @@ class NodeRunner:
         self.numels = [n for _, n in self.slices]
         """Elements of each unit this node shard holds, pushed, updated and served."""
         total = sum(self.numels)
-        self.buffer_bytes = (total * (2 * self.param_dtype.itemsize + 4 * num_workers) + 4 * max(self.numels, default=0)
+        codec = str(manifest["compress"])
+        pushed = sum(self.numels) * 4 if codec == "none" else sum(
+            codec_for(codec, chunk_numel=self.model.chunk_bytes // 4).payload_bytes(n) for n in self.numels)
+        # A codec's payloads wait instead of fp32 gradients; the sum is decoded into one unit's fp32 buffer.
+        self.buffer_bytes = (total * 2 * self.param_dtype.itemsize + pushed * num_workers
+                             + 4 * max(self.numels, default=0) * (1 + (codec != "none"))
                              + num_workers * CREDIT_CHUNKS * self.model.chunk_bytes)
         if self.buffer_bytes >= host_bytes:
             raise ValueError(f"the node's push and serve buffers alone take {self.buffer_bytes / 2**20:.1f} MiB "
-                             f"({num_workers} worker(s) x fp32 gradients + 2 x the parameters + one unit's initial "
+                             f"({num_workers} worker(s) x pushed gradients + 2 x the parameters + one unit's initial "
                              f"state + the workers' credit), more than its host memory of "
                              f"{host_bytes / 2**20:.1f} MiB: raise --host-mem")
         host_bytes -= self.buffer_bytes
@@ -232,7 +253,7 @@ class NodeRunner:
                                         nvme_root=Path(nvme_dir) / "luwu_node" if nvme_dir else None,
                                         io_backend=io_backend, also=plans)
         self.pushes = Pushes(self.numels, num_workers=num_workers, chunk_bytes=self.model.chunk_bytes,
-                             applied=start_step, keep=halves is not None)
+                             applied=start_step, keep=halves is not None, codec=codec)
         self.served = Served([n * self.param_dtype.itemsize for n in self.numels])
         # The step the workers' engines would take ([Note: clipping] in exec/step.py), from their HELLO.
         self.optimizer = OptimizerStep(

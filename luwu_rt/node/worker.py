@@ -31,9 +31,12 @@ losses bit for bit.
 Batches given to ``train_step`` are kept for two of the node's snapshot
 intervals (its WELCOME says ``snapshot_every``), so those steps replay too.
 
-Where a gradient codec plugs in: ``_push`` hands the pieces to the client as
-they are; a compressor would encode them here and the node decode them in
-``Pushes.offer``.
+A compressed unit ([Note: compressed pushes] in plan/codec.py) is encoded by
+the plan's ``Encode`` (the data-parallel strategies' handler, which the engine
+gives this worker) into ``grad_code``, one piece per node shard, with the
+unit's residual, which is this worker's store state (its own, not the node's:
+``keep_initial`` and ``read_state`` take it to and from the store); ``_push``
+sends piece j's payload to shard j, and the node decodes it in ``Pushes.take``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from luwu_rt.exec import (Handler, OptimizerStep, Span, StepFn, StepOutcome, Ste
                           typed_views)
 from luwu_rt.optim.config import OptimConfig
 from luwu_rt.plan import ModelSpec, SwapPlan
+from luwu_rt.plan.codec import parse_codec
 from luwu_rt.store import TieredStore
 
 from .client import NodeClient, NodeError, NodeLost
@@ -70,7 +74,7 @@ class NodeWorker:
     def __init__(self, *, address: str, plan: SwapPlan, store: TieredStore, model: ModelSpec, optim: OptimConfig,
                  total_steps: int, dtype: str, param_dtype: torch.dtype, loss_scale: float, rank: int,
                  num_workers: int, all_reduce: Callable[[list[float]], list[float]], timeout_s: float,
-                 node_key: str | None = None) -> None:
+                 node_key: str | None = None, compress: str = "none", encode: Handler | None = None) -> None:
         self.address = address
         self.addresses = [a.strip() for a in address.split(",")]
         """One per node shard, in shard order ([Note: node shards] in shards.py)."""
@@ -89,6 +93,9 @@ class NodeWorker:
         self.optimizer = OptimizerStep(plan.shards, optim=optim, total_steps=total_steps, loss_scale=loss_scale,
                                        param_dtype=param_dtype, grad_dtype=torch.float32)
         """The step's schedule and Adam's count; its update runs on the node."""
+        self.compress, self.encode = compress, encode
+        """The run's codec (the manifest's ``compress``) and the handler of the plan's ``Encode`` (with a codec)."""
+        assert (compress == "none") == (encode is None), "a codec needs the Encode handler"
         self.clients: list[NodeClient] = []
         self.slices = [[slice_of(u.num_params, j, len(self.addresses)) for j in range(len(self.addresses))]
                        for u in model.units]
@@ -122,14 +129,17 @@ class NodeWorker:
         return self._grad_norm
 
     def handlers(self) -> dict[str, Handler]:
-        return {"Push": self._push, "Pull": self._pull}
+        return {"Push": self._push, "Pull": self._pull, **({"Encode": self.encode} if self.encode else {})}
 
     def start_at(self, *, step: int, adam_step: int) -> None:
         self.step = step
         self.optimizer.start_at(adam_step=adam_step)
 
     def keep_initial(self, unit: int, states: Mapping[str, torch.Tensor]) -> None:
-        """The optimizer states of a unit: worker 0 keeps them for the node, the others drop them."""
+        """The optimizer states of a unit: worker 0 keeps them for the node, the others drop them; a residual is
+        every worker's own, in its store (the caller flushes it)."""
+        if "residual" in states:
+            self.store.write_state(unit, "residual", states["residual"])
         if self.rank == 0:
             self._initial[unit] = {s: v.float().contiguous() for s, v in states.items() if s in INIT_STATES}
 
@@ -154,7 +164,7 @@ class NodeWorker:
                           "optimizer_waits_for_backward": m.optimizer_waits_for_backward},
                 "optim": dataclasses.asdict(self.optim), "steps": self.total_steps, "dtype": self.dtype,
                 "loss_scale": self.loss_scale, "num_workers": self.num_workers, "start_step": start_step,
-                "adam_step": self.adam_step}
+                "adam_step": self.adam_step, "compress": self.compress}
 
     @property
     def client(self) -> NodeClient | None:
@@ -192,7 +202,10 @@ class NodeWorker:
             c.begin(step)
 
     def read_state(self, unit: int, state: str, out: torch.Tensor) -> torch.Tensor:
-        """``unit``'s fp32 optimizer ``state`` after the last step, from the node shards (a checkpoint's)."""
+        """``unit``'s fp32 optimizer ``state`` after the last step, from the node shards (a checkpoint's); a
+        residual from this worker's store."""
+        if state == "residual":
+            return self.store.read_state(unit, state, out)
         raw = out.view(torch.uint8)
         index = INIT_STATES.index(state)
         waits = []
@@ -295,8 +308,24 @@ class NodeWorker:
         return out
 
     def _push(self, op, views) -> WaitAll:
+        if self.compress != "none":
+            return self._push_code(op, views)
         pieces = self._pieces(views, op.unit, "grad")
         return WaitAll([c.push(self.step, op.unit, p) for c, p in zip(self.clients, pieces) if p])
+
+    def _push_code(self, op, views) -> WaitAll:
+        """Piece j of the unit's ``grad_code`` (one shard, a piece per node shard at j x the size of a full
+        one, as ``Encode`` wrote them) to shard j ([Note: compressed pushes] in plan/codec.py)."""
+        (code_id,) = [a.shard for a in op.inputs if a.shard.state == "grad_code"]
+        code = views[code_id].view(torch.uint8)[: self.plan.shards[code_id].numel]
+        spec, chunk = parse_codec(self.compress), self.model.chunk_bytes // 4
+        full = spec.payload_bytes(self.slices[op.unit][0][1], chunk)  # shard 0's slice is a full piece
+        waits = []
+        for j, c in enumerate(self.clients):
+            size = spec.payload_bytes(self.slices[op.unit][j][1], chunk)
+            if size:
+                waits.append(c.push(self.step, op.unit, [(0, code[j * full : j * full + size])], dtype="uint8"))
+        return WaitAll(waits)
 
     def _pull(self, op, views) -> WaitAll:
         pieces = self._pieces(views, op.unit, "param")

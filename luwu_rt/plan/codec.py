@@ -45,6 +45,17 @@ bytes at any W but rounds every partial sum, an error no residual feeds back). A
 payloads followed by an all-gather of the re-encoded sums would move 2 (W - 1) / W P(N) at the price of a
 second residual per slice; it is not built. The cost model prices each choice by this table
 (``plan/compression.py``), so ``--compress auto`` compresses only where it pays.
+
+[Note: compressed pushes]
+Under strategy ``node`` a compressed unit's gradient is encoded on the worker as one piece per node shard
+(piece j the slice that shard j keeps, S = ceil(N / k) elements, [Note: node shards] in node/shards.py),
+with the worker's residual as error feedback, and the worker pushes piece j's payload P(n_j) to shard j.
+The node decodes every worker's payload and sums the values in fp32 in rank order (``Pushes.take`` in
+node/runner.py), as a ddp rank sums its all-gathered payloads: with one node shard the summed gradient is
+ddp's bit for bit. Sent per worker per step sum_j P(n_j) instead of 4N. Only the elementwise codecs
+(``NODE_CODECS``); ``--compress auto`` is not offered for node (the cost model prices collectives, not
+pushes). The run's codec is part of the HELLO manifest ([Note: the manifest] in node/manifest.py), so a
+node refuses a worker whose codec is another.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ __all__ = [
     "AUTO_CODECS",
     "CODEC_FAMILIES",
     "COMPRESSING_STRATEGIES",
+    "NODE_CODECS",
     "ONEBIT_BLOCK",
     "CodecSpec",
     "codec_seconds",
@@ -69,6 +81,10 @@ CODEC_FAMILIES = ("none", "bf16", "fp16", "onebit", "topk", "powersgd")
 """Codec names without their parameter (``topk:RATIO``, ``powersgd:RANK`` take one)."""
 COMPRESSING_STRATEGIES = ("ddp", "zero1", "zero2")
 """Strategies whose gradient synchronisation may be compressed ([Note: codecs on the wire])."""
+NODE_CODECS = ("bf16", "fp16", "onebit", "topk")
+"""Codec families a ``node`` worker's pushes may use ([Note: compressed pushes]): elementwise on each node
+shard's slice, decoded by the node. powersgd is not among them: its factors are a per-matrix projection
+that the node would have to run across rounds, which it does not."""
 AUTO_CODECS = ("bf16", "onebit")
 """The codecs ``--compress auto`` chooses among per unit (besides none); ``auto:C1,C2`` names others."""
 _RATE_KEY = {"bf16": "cast", "fp16": "cast", "onebit": "onebit", "topk": "topk", "powersgd": "powersgd"}

@@ -96,10 +96,13 @@ def resolve_compression(model: ModelSpec, strategy: Strategy, request: str, *,
                         profile: HardwareProfile = HardwareProfile()) -> Strategy:
     """``strategy`` with the codec of each unit that ``request`` (a ``--compress`` value) asks for: one codec
     for every unit, or under ``auto`` the cost model's choice per unit. A strategy that runs no gradient
-    collective (one rank) or cannot compress (zero3, hsdp, node) is left uncompressed under ``auto``; an
-    explicit codec for it is a ``ValueError`` (``Strategy``'s)."""
+    collective (one rank) or cannot compress (zero3, hsdp) is left uncompressed under ``auto``, and so is node
+    (``TrainConfig`` refuses ``auto`` for it); an explicit codec for zero3 or hsdp is a ``ValueError``
+    (``Strategy``'s), one for node compresses its pushes ([Note: compressed pushes] in codec.py)."""
     auto, names = parse_request(request)
     capable = strategy.name in COMPRESSING_STRATEGIES and strategy.world_size > 1
+    if strategy.name == "node" and not auto and names != ("none",):  # pushes to the node, even from one worker
+        return replace(strategy, compress=names * len(model.units))
     if names == ("none",) or (auto and not capable) or (strategy.world_size == 1 and not auto):
         return replace(strategy, compress=())
     if not auto:

@@ -98,8 +98,11 @@ class _View:
 
 class _Walk:
     def __init__(self, steps: list[Step], layout: dict[ShardId, ShardInfo], placement: Placement,
-                 budgets: Budgets, reserve_bytes: int, policy: Policy, initial_kinds: frozenset[str]) -> None:
+                 budgets: Budgets, reserve_bytes: int, policy: Policy, initial_kinds: frozenset[str], *,
+                 pushes: bool = False) -> None:
         self.steps, self.layout, self.placement, self.budgets, self.policy = steps, layout, placement, budgets, policy
+        self.pushes = pushes
+        """A ``node`` worker's plan: ``home_of``'s ``pushes``."""
         # Asking a policy that keeps the default costs a call per load: only ask one that bounds prefetch.
         self.bounds_prefetch = type(policy).prefetch_depth is not Policy.prefetch_depth
         self.initial_kinds = initial_kinds
@@ -150,7 +153,7 @@ class _Walk:
         self.resident[tier][shard] = None
 
     def _home(self, shard: ShardId) -> str:
-        return home_of(shard.state, self.placement)
+        return home_of(shard.state, self.placement, pushes=self.pushes)
 
     def _is_clean(self, shard: ShardId, tier: str) -> bool:
         """Dropping this copy loses nothing: it is stale, or another tier holds the latest version."""
@@ -405,13 +408,14 @@ def lower_bounds(model: ModelSpec, *, placement: Placement, strategy: Strategy) 
     # Persistent kinds hold their home bytes all step long, and so do an optimizer-only step's gradients, given
     # anew before every step ([Note: steady state] in steady.py).
     kept = model.initial_kinds
-    home = {t: sum(i.nbytes for s, i in layout.items() if s.state in kept and home_of(s.state, placement) == t)
-            for t in TIERS}
+    pushes = strategy.name == "node"
+    home = {t: sum(i.nbytes for s, i in layout.items()
+                   if s.state in kept and home_of(s.state, placement, pushes=pushes) == t) for t in TIERS}
     working = dict.fromkeys(TIERS, 0)
     for step in steps:
         for tier in TIERS:
             nbytes = sum(layout[n.shard].nbytes for n in _distinct(step.needs, tier) if n.into is None  # shares bytes
-                         and not (n.shard.state in kept and home_of(n.shard.state, placement) == tier))
+                         and not (n.shard.state in kept and home_of(n.shard.state, placement, pushes=pushes) == tier))
             working[tier] = max(working[tier], nbytes)
     # Params and grads travel between the device and NVMe through a host staging copy.
     staged = [i.nbytes for s, i in layout.items() if placement.home(s.state) == "nvme" and s.state in ("param", "grad")]
@@ -483,13 +487,15 @@ def walk_steps(steps: list[Step], layout: dict[ShardId, ShardInfo], *, model: Mo
     optimizer node's own sequence) over ``layout``. Raises ``OutOfBudget`` naming the tier that ran out."""
     reserve = model.activation_bytes
     policy = as_policy(policy)
-    walk = _Walk(steps, layout, placement, budgets, reserve, policy, model.initial_kinds)
+    walk = _Walk(steps, layout, placement, budgets, reserve, policy, model.initial_kinds,
+                 pushes=strategy.name == "node")
     home_slots = walk.place_homes()
     for pos, step in enumerate(walk.steps):
         walk.run_step(pos, step)
     walk.finish()
     return SwapPlan(ops=tuple(walk.ops), shards=layout, chunk_bytes=model.chunk_bytes,
-                    homes={s: home_of(s, placement) for s in _kinds(layout)}, comm_groups=comm_groups, role=role,
+                    homes={s: home_of(s, placement, pushes=walk.pushes) for s in _kinds(layout)},
+                    comm_groups=comm_groups, role=role,
                     budgets=budgets, arena_bytes={t: a.high_water_bytes for t, a in walk.arenas.items()},
                     device_reserve_bytes=reserve, strategy=strategy, policy=policy.name, home_slots=home_slots,
                     peak_bytes=walk.peak)

@@ -73,7 +73,7 @@ from .spec import (OPTIMIZER_KINDS, SECOND_HALF, STATE_KINDS, ModelSpec, Placeme
                    ceil_div, half_kind)
 
 __all__ = ["Need", "Step", "build_layout", "build_restore_steps", "build_steps", "check_double_buffer", "comm_groups",
-           "element_bytes", "final_points", "group_members", "home_of"]
+           "element_bytes", "final_points", "group_members", "home_of", "piece_bytes"]
 
 NORM_BYTES = ELEMENT_BYTES[FIXED_STATE_DTYPES["norm"]]
 """A squared norm is one float64."""
@@ -128,11 +128,14 @@ def element_bytes(model: ModelSpec, state: str) -> int:
     return ELEMENT_BYTES[FIXED_STATE_DTYPES[base_kind(state)]]  # both halves of a double-buffered kind alike
 
 
-def home_of(state: str, placement: Placement) -> str:
+def home_of(state: str, placement: Placement, *, pushes: bool = False) -> str:
     """Home tier of any shard kind: the placement's for states; workspaces live where they are made
-    (communication buffers on the device, the updated slice and norms with the optimizer)."""
+    (communication buffers on the device, the updated slice and norms with the optimizer). ``pushes``: a
+    ``node`` worker's, whose payloads are encoded on the host, where its pushes read them."""
     if base_kind(state) in STATE_KINDS or state == "residual":
         return placement.home(state)  # a residual is fp32 state beside the moments
+    if pushes and state == "grad_code":
+        return "host"
     return "device" if state in ("param_full", "grad_full", "grad_slice", "grad_code", "grad_codes") \
         else placement.optim_tier
 
@@ -191,7 +194,18 @@ def codec_pieces(model: ModelSpec, strategy: Strategy, unit: int) -> tuple[int, 
     """``(pieces, piece_numel)`` a compressed unit's gradient is encoded as: one piece of the whole unit
     (ddp, all-gathered), or W pieces of S elements, piece s for rank s (zero1/zero2, all-to-all)."""
     numel, ways = model.units[unit].num_params, strategy.world_size
+    if strategy.name == "node":  # piece j for node shard j ([Note: compressed pushes] in codec.py)
+        return strategy.node_shards, ceil_div(numel, strategy.node_shards)
     return (1, numel) if scheme(strategy.name) == "all_gather" else (ways, ceil_div(numel, ways))
+
+
+def piece_bytes(model: ModelSpec, strategy: Strategy, unit: int) -> tuple[int, ...]:
+    """The payload bytes of each piece of a compressed unit as sent: a last piece past the unit's end is
+    shorter, or empty ([Note: codecs on the wire] in codec.py)."""
+    pieces, piece = codec_pieces(model, strategy, unit)
+    numel, spec = model.units[unit].num_params, parse_codec(strategy.codec(unit))
+    return tuple(spec.payload_bytes(max(0, min(piece, numel - p * piece)), codec_chunk_numel(model))
+                 for p in range(pieces))
 
 
 def _codec_shards(layout: dict, model: ModelSpec, strategy: Strategy, u: int) -> None:
@@ -201,7 +215,8 @@ def _codec_shards(layout: dict, model: ModelSpec, strategy: Strategy, u: int) ->
     layout[ShardId(u, "residual", 0)] = ShardInfo(align_up(numel * 4), numel, 0, ceil_div(numel * 4, model.chunk_bytes))
     pieces, piece = codec_pieces(model, strategy, u)
     one = parse_codec(strategy.codec(u)).payload_bytes(piece, codec_chunk_numel(model))
-    for state, nbytes in (("grad_code", pieces * one), ("grad_codes", strategy.world_size * one)):
+    received = () if strategy.name == "node" else (("grad_codes", strategy.world_size * one),)  # the node decodes
+    for state, nbytes in (("grad_code", pieces * one), *received):
         layout[ShardId(u, state, 0)] = ShardInfo(align_up(max(nbytes, 1)), nbytes, 0,
                                                  ceil_div(max(nbytes, 1), model.chunk_bytes))
 
@@ -371,6 +386,17 @@ class _Sequence:
         self.add(Decode, "decode", dict(fields, pieces=pieces, payloads=ways, accumulate=not first),
                  self.needs((u,), "grad_codes", "device", "r") + out)
 
+    def encoded_push(self, u: int) -> int:
+        """A compressed unit under node: its gradient encoded with its residual, one piece per node shard, and
+        the payloads pushed ([Note: compressed pushes] in codec.py); returns the push's step."""
+        pieces, piece = codec_pieces(self.model, self.strategy, u)
+        self.add(Encode, "encode", dict(unit=u, codec=self.strategy.codec(u), chunk_numel=codec_chunk_numel(self.model),
+                                        numel=self.model.units[u].num_params, piece_numel=piece, pieces=pieces),
+                 self.needs((u,), "grad", "host", "r") + self.needs((u,), "residual", "host", "rw")
+                 + self.needs((u,), "grad_code", "host", "w"))
+        return self.collective(Push, "push", u, "send", sum(piece_bytes(self.model, self.strategy, u)),
+                               self.needs((u,), "grad_code", "host", "r"))
+
     # -- after a unit's gradients are final -------------------------------------------------
 
     def post_backward(self, u: int) -> None:
@@ -378,7 +404,8 @@ class _Sequence:
         name = self.strategy.name
         if name == "node":
             push = self.collective(Push, "push", u, "send", self.full_bytes(u, "grad"),
-                                   self.needs((u,), "grad", "host", "r"))
+                                   self.needs((u,), "grad", "host", "r")) if self.strategy.codec(u) == "none" \
+                else self.encoded_push(u)
             self.collective(Pull, "pull", u, "recv", self.full_bytes(u, "param"),
                             self.needs((u,), "param", "host", "w"), after=(push,))
             return

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .codec import COMPRESSING_STRATEGIES, parse_codec
+from .codec import COMPRESSING_STRATEGIES, NODE_CODECS, parse_codec
 
 __all__ = [
     "TIERS", "STATE_KINDS", "PERSISTENT_KINDS", "DATA_PARALLEL", "STRATEGIES", "ALIGN_BYTES", "SECOND_HALF",
@@ -356,7 +356,11 @@ class Strategy:
     """``hsdp`` only: ranks per sharding group; 0 means min(8, world_size)."""
     compress: tuple[str, ...] = ()
     """Gradient codec of each unit (``codec.parse_codec`` names), resolved from ``--compress`` by
-    ``compression.resolve_compression``; empty: none anywhere. ``ddp``, ``zero1`` and ``zero2`` only."""
+    ``compression.resolve_compression``; empty: none anywhere. ``ddp``, ``zero1`` and ``zero2``, and ``node``
+    with the codecs of ``codec.NODE_CODECS`` ([Note: compressed pushes] in codec.py)."""
+    node_shards: int = 1
+    """``node`` only: the optimizer node shards that split every unit ([Note: node shards] in node/shards.py); a
+    compressed unit's gradient is encoded as one piece per shard."""
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -371,10 +375,19 @@ class Strategy:
         codecs = tuple(parse_codec(c).name for c in self.compress)
         # Nothing compressed is the default strategy, whatever spelled it: its plans are the uncompressed ones.
         object.__setattr__(self, "compress", codecs if any(c != "none" for c in codecs) else ())
-        if self.compresses and (self.name not in COMPRESSING_STRATEGIES or self.world_size < 2):
-            raise ValueError(f"--compress applies to {', '.join(COMPRESSING_STRATEGIES)} on 2 or more ranks, not "
-                             f"{self.name} on {self.world_size}: zero3 and hsdp gather parameters uncompressed, and "
-                             f"node pushes are not compressed yet; use --compress none")
+        _check_positive("Strategy", node_shards=self.node_shards)
+        if self.node_shards != 1 and self.name != "node":
+            raise ValueError(f"node_shards={self.node_shards} applies to strategy node, not {self.name}")
+        if self.compresses and self.name == "node":
+            other = sorted({c for c in self.compress if parse_codec(c).family not in NODE_CODECS + ("none",)})
+            if other:
+                raise ValueError(f"--compress {other[0]}: node pushes compress with bf16, fp16, onebit or "
+                                 f"topk:RATIO, not {parse_codec(other[0]).family}, whose low-rank factors the node "
+                                 f"does not run; choose one of those, or --compress none")
+        elif self.compresses and (self.name not in COMPRESSING_STRATEGIES or self.world_size < 2):
+            raise ValueError(f"--compress applies to {', '.join(COMPRESSING_STRATEGIES)} on 2 or more ranks and to "
+                             f"node, not {self.name} on {self.world_size}: zero3 and hsdp gather parameters "
+                             f"uncompressed; use --compress none")
 
     @property
     def compresses(self) -> bool:

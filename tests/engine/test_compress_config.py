@@ -37,12 +37,23 @@ def test_a_bad_codec_is_refused_naming_the_flag(value, error) -> None:
         TrainConfig(compress=value)
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "hsdp", "node"])
+@pytest.mark.parametrize("strategy", ["zero3", "hsdp"])
 def test_a_codec_for_a_strategy_that_cannot_compress_is_refused(strategy) -> None:
-    extra = {"node": "tcp://127.0.0.1:1"} if strategy == "node" else {}
     with pytest.raises(ValueError, match=f"--compress onebit applies to --strategy ddp, zero1, zero2 .*not {strategy}"):
-        TrainConfig(compress="onebit", strategy=strategy, **extra)
-    TrainConfig(compress="auto", strategy=strategy, **extra)  # auto: nothing to choose there, not an error
+        TrainConfig(compress="onebit", strategy=strategy)
+    TrainConfig(compress="auto", strategy=strategy)  # auto: nothing to choose there, not an error
+
+
+def test_node_pushes_take_the_elementwise_codecs_and_refuse_the_others_by_name() -> None:
+    """[Note: compressed pushes] in plan/codec.py: powersgd and auto are refused for node, naming what it takes."""
+    node = {"strategy": "node", "node": "tcp://127.0.0.1:1"}
+    for codec in ("bf16", "fp16", "onebit", "topk:0.01", "none"):
+        TrainConfig(compress=codec, **node)
+    with pytest.raises(ValueError, match="node pushes compress with bf16, fp16, onebit or topk:RATIO, not powersgd"):
+        TrainConfig(compress="powersgd:2", **node)
+    for auto in ("auto", "auto:bf16,onebit"):
+        with pytest.raises(ValueError, match=f"--compress {auto} is not offered for --strategy node.*name one codec"):
+            TrainConfig(compress=auto, **node)
 
 
 def test_auto_strategy_with_a_codec_keeps_the_strategies_that_compress() -> None:

@@ -70,3 +70,20 @@ def save_then_resume(rank: int, first: str, second: str, directory: str) -> dict
     with Engine.load(path, overrides={"strategy": "node", "node": second}) as engine:
         resumed = [engine.train_step()["loss"] for _ in range(engine.step, STEPS)]
     return {"losses": losses, "resumed": resumed, "path": str(path), "last": str(last)}
+
+
+def train_any(rank: int, runs: list[tuple[str, dict, str]], steps: int) -> dict[str, dict[str, Any]]:
+    """Each run ``(key, overrides, chaos seed or "")`` for ``steps`` steps, under whatever strategy it names:
+    its losses, grad norms and the bytes a worker sends per step (the JSON log's ``wire_bytes``)."""
+    from luwu_rt.engine import Engine
+    from luwu_rt.exec.chaos import CHAOS_ENV
+
+    out = {}
+    for key, overrides, chaos in runs:
+        os.environ[CHAOS_ENV] = chaos  # read when the engine's executors are made
+        with Engine(None, config(**overrides)) as engine:
+            metrics = [engine.train_step() for _ in range(steps)]
+            out[key] = {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
+                        "wire_bytes": metrics[-1]["wire_bytes"], "encode_s": sum(m["encode_s"] for m in metrics),
+                        "push_bytes": sum(op.comm_bytes for op in engine.plan.ops if op.kind == "Push")}
+    return out

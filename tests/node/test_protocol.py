@@ -27,7 +27,8 @@ def manifest(**optim) -> dict:
                       "optimizer_waits_for_backward": False},
             "optim": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
                       "weight_decay": 0.1, "grad_clip": 0.0, "schedule_steps": 3, **optim},
-            "steps": 3, "dtype": "fp32", "loss_scale": 1.0, "num_workers": 2, "start_step": 0, "adam_step": 0}
+            "steps": 3, "dtype": "fp32", "loss_scale": 1.0, "num_workers": 2, "start_step": 0, "adam_step": 0,
+            "compress": "none"}
 
 
 def test_encode_decode_round_trip() -> None:
@@ -75,7 +76,7 @@ def test_wire_numbers_stay_those_older_peers_speak() -> None:
         decode([_header(type=7, nbytes=0, checksum=0)])
     assert info.value.reason == "type"
     assert DTYPES == {0: ("none", 1), 1: ("float32", 4), 2: ("bfloat16", 2), 3: ("float16", 2), 4: ("json", 1),
-                      5: ("utf8", 1), 6: ("float64", 8)}
+                      5: ("utf8", 1), 6: ("float64", 8), 7: ("uint8", 1)}
 
 
 def _joined(service: NodeService) -> dict:
@@ -188,6 +189,51 @@ def test_a_hello_that_disagrees_is_refused_naming_the_difference() -> None:
     assert any("optim.lr: 0.01 != 0.5" in line for line in lines), lines
     assert difference({"a": [1, {"b": 2}]}, {"a": [1, {"b": 3}]}) == "a[1].b: 2 != 3"
     assert json.loads(manifest_bytes(manifest()))["manifest_version"] == 1
+
+
+def test_a_worker_with_another_codec_is_refused_naming_the_codec() -> None:
+    """The run's codec is part of the manifest ([Note: compressed pushes] in plan/codec.py): a worker that
+    compresses otherwise than the run the node serves is refused at ``compress``, and a codec the node cannot
+    decode is refused before it binds the node to a run."""
+    lines: list[str] = []
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lines.append)
+    service.handle(b"w0", encode(Message(T.HELLO, rank=0, dtype=4, payload=manifest_bytes({**manifest(),
+                                                                                          "compress": "bf16"}))))
+    service.handle(b"w1", encode(Message(T.HELLO, rank=1, dtype=4, payload=manifest_bytes({**manifest(),
+                                                                                          "compress": "onebit"}))))
+    identity, frames = service.protocol.outbox[-1]
+    text = bytes(decode(frames).payload).decode()
+    assert identity == b"w1" and "at compress (this worker's: 'onebit'" in text, text
+    assert any("compress: 'bf16' != 'onebit'" in line for line in lines), lines
+    assert service.runner.pushes.dtype == "uint8"
+    for codec, error in (("powersgd:2", "a node decodes none, bf16, fp16, onebit, topk"), (4, "a codec's name"),
+                         ("topk:7", "0 < RATIO <= 1")):
+        fresh = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lines.append)
+        fresh.handle(b"w0", encode(Message(T.HELLO, rank=0, dtype=4, payload=manifest_bytes({**manifest(),
+                                                                                            "compress": codec}))))
+        text = bytes(decode(fresh.protocol.outbox[-1][1]).payload).decode()
+        assert "manifest.compress" in text and error in text and fresh.manifest is None, text
+
+
+def test_an_older_workers_hello_is_refused_naming_both_versions() -> None:
+    """A worker of protocol version 3 (no codec in its manifest) hears why in an ERROR of its own version, which
+    its decode reads: its header layout and CRC-32C are this version's; the node's log names it too."""
+    lines: list[str] = []
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lines.append)
+    old = {k: v for k, v in manifest().items() if k != "compress"}
+    service.handle(b"w1", encode(Message(T.HELLO, rank=1, dtype=4, payload=manifest_bytes(old)), version=3))
+    identity, frames = service.protocol.outbox[-1]
+    fields = HEADER.unpack(frames[0])
+    assert identity == b"w1" and fields[1] == 3 and fields[2] == T.ERROR
+    assert fields[-1] == crc32c(frames[1])
+    text = bytes(frames[1]).decode()
+    assert "worker 1 speaks node protocol version 3, this node version 4" in text, text
+    assert any("worker 1 speaks node protocol version 3" in line for line in lines), lines
+    assert service.rejects["version"] == 1 and service.manifest is None and not service.protocol.hellos
+    # Anything else of another version is dropped unanswered, as before: a HELLO without its manifest too.
+    service.handle(b"w1", encode(Message(T.HEARTBEAT, rank=1), version=3))
+    service.handle(b"w2", encode(Message(T.HELLO, rank=2), version=3))
+    assert len(service.protocol.outbox) == 1 and service.rejects["version"] == 3
 
 
 def test_a_worker_that_never_pushes_is_named_after_the_timeout() -> None:

@@ -140,9 +140,13 @@ def test_unit_choices_report_a_resolved_strategy() -> None:
 
 
 def test_strategies_that_cannot_compress_say_so() -> None:
-    for name in ("zero3", "hsdp", "node"):
+    for name in ("zero3", "hsdp"):
         with pytest.raises(ValueError, match="--compress applies to ddp, zero1, zero2"):
             Strategy(name=name, world_size=4, group_size=2 if name == "hsdp" else 0, compress=("onebit",) * 4)
+    with pytest.raises(ValueError, match="node pushes compress with bf16, fp16, onebit or topk:RATIO, not powersgd"):
+        Strategy(name="node", world_size=4, compress=("powersgd:2",) * 4)
+    with pytest.raises(ValueError, match="node_shards=2 applies to strategy node"):
+        Strategy(name="ddp", world_size=4, node_shards=2)
     # One rank has nothing to synchronise: a codec asked for is moot there.
     assert resolve_compression(_model(), Strategy(), "onebit") == Strategy()
 
@@ -194,3 +198,30 @@ def test_encode_exchange_and_decode_overlap_the_backward_of_lower_units(name) ->
     decode = next(i for i, op in enumerate(plan.ops) if isinstance(op, Decode) and op.unit == last)
     b0 = next(i for i, op in enumerate(plan.ops) if isinstance(op, Compute) and op.name == "B0")
     assert times[decode][1] < times[b0][0]
+
+
+@pytest.mark.parametrize("codec", ["bf16", "onebit", "topk:0.01"])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.params)
+def test_compressed_node_pushes_encode_one_piece_per_node_shard(codec, placement) -> None:
+    """[Note: compressed pushes] in codec.py: under node each unit is encoded (with its residual, on the host
+    where Push reads) as one piece per node shard and Push sends those payloads, even from one worker; the
+    node decodes, so the worker has no ``grad_codes``."""
+    from luwu_rt.plan.sequence import codec_chunk_numel
+
+    model = _model()
+    for workers, shards in ((1, 1), (3, 2)):
+        strategy = resolve_compression(model, Strategy(name="node", world_size=workers, node_shards=shards), codec)
+        plan = plan_step(model, budgets=BUDGETS, placement=placement, strategy=strategy)
+        validate(plan)
+        spec = parse_codec(codec)
+        for u, unit in enumerate(model.units):
+            (encode,) = [op for op in plan.ops if isinstance(op, Encode) and op.unit == u]
+            per = -(-unit.num_params // shards)
+            assert (encode.pieces, encode.piece_numel) == (shards, per)
+            assert {a.tier for a in encode.inputs + encode.outputs} == {"host"}
+            sizes = [spec.payload_bytes(min(per, unit.num_params - j * per), codec_chunk_numel(model))
+                     for j in range(shards)]
+            (push,) = [op for op in plan.ops if op.kind == "Push" and op.unit == u]
+            assert push.comm_bytes == sum(sizes) < 4 * unit.num_params
+            assert {a.shard.state for a in push.inputs} == {"grad_code"}
+        assert not any(s.state == "grad_codes" for s in plan.shards)
