@@ -26,7 +26,8 @@ run, each on the queue that owns its process group:
   hsdp    zero3 inside groups of G ranks; after the last micro-batch the
           gradient slice is also all-reduced across the world / G replicas.
   node    no optimizer state on the worker: Push sends the unit's grads to
-          the optimizer node, Pull receives its updated parameters.
+          the optimizer node, Pull receives its updated parameters (after
+          the last push when the node waits for the step's norm).
 A compressed unit (``Strategy.compress``, ddp/zero1/zero2) replaces its
 gradient's Reduce by Encode (queue ``encode``: grad + residual -> ``grad_code``),
 a Reduce of the payloads (``all_gather`` or ``all_to_all`` of ``grad_code`` into
@@ -279,6 +280,7 @@ class _Sequence:
         for sid in layout:
             self.shards_of.setdefault((sid.unit, sid.state), []).append(sid)
         self.steps: list[Step] = []
+        self.pushes: dict[int, int] = {}  # node: unit -> the step that pushes its gradients
         self.optim_tier = placement.optim_tier
         self.optim_queue = "compute" if self.optim_tier == "device" else "optim"
         self.gkind = "grad_slice" if strategy.name == "zero1" else "grad"  # what the update reads
@@ -403,11 +405,11 @@ class _Sequence:
         """Collectives and the gradient norm of unit ``u`` once its gradients are final."""
         name = self.strategy.name
         if name == "node":
-            push = self.collective(Push, "push", u, "send", self.full_bytes(u, "grad"),
-                                   self.needs((u,), "grad", "host", "r")) if self.strategy.codec(u) == "none" \
-                else self.encoded_push(u)
-            self.collective(Pull, "pull", u, "recv", self.full_bytes(u, "param"),
-                            self.needs((u,), "param", "host", "w"), after=(push,))
+            self.pushes[u] = self.collective(Push, "push", u, "send", self.full_bytes(u, "grad"),
+                                             self.needs((u,), "grad", "host", "r")) \
+                if self.strategy.codec(u) == "none" else self.encoded_push(u)
+            if not self.model.optimizer_waits_for_backward:
+                self.pull(u)
             return
         if name in ("ddp", "zero1") and self.strategy.codec(u) != "none":
             self.compressed(u, source="grad")
@@ -425,6 +427,11 @@ class _Sequence:
                      dict(unit=u, num_params=self.elements(u, self.gkind), tier=self.optim_tier),
                      self.needs((u,), self.gkind, self.optim_tier, "r")
                      + self.needs((u,), "norm", self.optim_tier, "w"))
+
+    def pull(self, u: int) -> None:
+        """Unit ``u``'s updated parameters back from the optimizer node, after its push."""
+        self.collective(Pull, "pull", u, "recv", self.full_bytes(u, "param"),
+                        self.needs((u,), "param", "host", "w"), after=(self.pushes[u],))
 
     def optimizer(self, u: int) -> None:
         """The update of this rank's part of unit ``u``; zero1/2 then gather the full parameters."""
@@ -534,4 +541,11 @@ def build_steps(model: ModelSpec, strategy: Strategy, placement: Placement,
     for u in deferred:
         if strategy.name != "node":
             seq.optimizer(u)
+        else:
+            # A node that waits for the step's norm serves nothing before every worker pushed every unit
+            # ([Note: the node's step]), so no pull completes during backward. Listed there, a pull's output
+            # would take host memory that a later backward's loads reuse once it is written back: a backward
+            # op waiting on the node, which waits on that backward's push (a deadlock, and couple() never
+            # settles). After the last push, pulls wait on nothing that waits on them.
+            seq.pull(u)
     return seq.steps

@@ -102,6 +102,19 @@ def test_three_workers_and_two_node_shards_equal_the_single_process_run() -> Non
     assert results[1]["plain"] == results[2]["plain"] == results[0]["plain"]
 
 
+def test_workers_with_their_params_on_nvme_equal_the_single_process_run(local_losses, tmp_path) -> None:
+    """With exact clipping the shards serve nothing before the last push, and in 1 MiB of host the workers reuse
+    the memory of pulled parameters written back to NVMe: planned with each pull right after its push, a
+    backward's load waited on a pull, the node on that backward's push, and the step hung."""
+    shards = Shards(chaos_seed=None)
+    offload = {"params": "nvme", "host_mem": "1MiB", "nvme_dir": str(tmp_path / "nvme")}
+    runs = [("nvme", {"strategy": "node", "node": shards.address, "optim": {"grad_clip": 0.5}, "offload": offload}, "")]
+    results = run_ranks(node_jobs.train, WORKERS, runs, env={CHAOS_ENV: ""})
+    assert shards.finish() == [0, 0]
+    _close(results[0]["nvme"], local_losses, "params on nvme")
+    assert results[1]["nvme"] == results[0]["nvme"]
+
+
 def test_slices_cover_every_element_once() -> None:
     for numel in (1, 2, 7, 4096, 10_001):
         for count in (1, 2, 3, 5):

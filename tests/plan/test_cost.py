@@ -283,6 +283,26 @@ def test_node_coupling_is_consistent(clip):
         assert min(node_times[i][1] for i in serve.values()) >= max(coupled[i][1] for i in push.values())
 
 
+@pytest.mark.parametrize("host_bytes", [1 << 20, 2 << 20])
+def test_node_coupling_settles_with_the_workers_params_on_nvme(host_bytes):
+    """With exact clipping the node serves nothing before the last push. A worker whose parameters live on NVMe
+    once listed each pull right after its push: the pulled copy held host memory that a later backward's load
+    reused once it was written back, so that load waited on the node, which waited on that backward's push
+    (at 1 MiB of host; couple() never settled)."""
+    model = dataclasses.replace(gpt_model_spec(get_preset("gpt-tiny"), chunk_bytes=64 * 1024),
+                                optimizer_waits_for_backward=True)
+    worker = plan_step(model, budgets=Budgets(device_bytes=2**30, host_bytes=host_bytes, nvme_bytes=2**30),
+                       placement=Placement(params="nvme", optimizer="host", grads="host"),
+                       strategy=Strategy(name="node", world_size=WORKERS))
+    node = plan_node(model, budgets=Budgets(device_bytes=0, host_bytes=2**30), placement=HOST, num_workers=WORKERS)
+    validate(worker)
+    cost = estimate(worker, HardwareProfile(), node=node)
+    assert 0 < cost.predicted_step_s < float("inf")
+    assert cost.io_bytes["nvme"]["write"] > 0  # the pulled parameters went home to NVMe
+    kinds = [type(worker.ops[op.start]) for op in worker.ops if isinstance(op, Wait)]
+    assert kinds.index(Pull) > len(kinds) - 1 - kinds[::-1].index(Push)  # every pull after the last push
+
+
 def test_a_slower_node_optimizer_lengthens_the_workers_step():
     worker, node = _node_pair()
     fast = estimate(worker, HardwareProfile(), node=node)
