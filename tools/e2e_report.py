@@ -188,7 +188,14 @@ def measure(args, outdir: Path) -> dict:
     _say("the LuWu testbed on paper")
     figures["testbed"] = testbed()
     figures["load_average_end"] = _load()
-    return figures
+    return _repo_relative(figures)
+
+
+def _repo_relative(figures: dict) -> dict:
+    """The figures with this checkout's and the temporary directory's paths left out: the report is
+    committed, and names no path of the machine that made it (trace files are read back from the repo root)."""
+    text = json.dumps(figures).replace(str(ROOT) + os.sep, "").replace(tempfile.gettempdir() + os.sep, "$TMPDIR/")
+    return json.loads(text)
 
 
 def _machine() -> dict:
@@ -296,7 +303,8 @@ def render(figures: dict, outdir: Path, md: Path) -> None:
     traced = next((r for r in truth if r.get("trace") and r["config"]["strategy"] == "zero3"), None) \
         or next((r for r in truth if r.get("trace")), None)
     if traced:
-        plot_timeline(traced["trace"], outdir / "timeline.png", title=f"one step of {traced['label']}, per queue")
+        plot_timeline(str(ROOT / traced["trace"]), outdir / "timeline.png",
+                      title=f"one step of {traced['label']}, per queue")
     m = figures["machine"]
     p = figures["profile"]
     lines = [f"# End to end: luwu_rt beside the peers, the planner against measurement, the LuWu testbed on paper "
@@ -517,7 +525,7 @@ def main() -> int:
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--render", default=None, metavar="FIGURES_JSON", help="rewrite the report from saved figures")
     ap.add_argument("--replan-testbed", action="store_true",
-                    help="with --render: plan the LuWu testbed again (seconds; no training runs) before rewriting")
+                    help="with --render: plan the LuWu testbed again (minutes; no training runs) before rewriting")
     args = ap.parse_args()
     if args.replan_testbed and not args.render:
         ap.error("--replan-testbed goes with --render FIGURES_JSON (a full run plans the testbed anyway)")
@@ -525,7 +533,8 @@ def main() -> int:
     if args.render:
         figures = json.loads(Path(args.render).read_text())
         if args.replan_testbed:
-            figures["testbed"] = testbed()
+            figures = _repo_relative({**figures, "testbed": testbed()})
+            Path(args.render).write_text(json.dumps(figures, indent=2))
         outdir = Path(args.render).parent
         md = outdir.parent / f"{outdir.name}.md"
     else:
