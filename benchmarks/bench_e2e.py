@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -207,8 +206,7 @@ def _peer_rank(args) -> None:
             loss /= world
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
-    result = {"times": times, "losses": losses, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "kind": kind}
+    result = {"times": times, "losses": losses, "kind": kind}
     Path(f"{args.result}.rank{rank}").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.barrier()
@@ -231,6 +229,8 @@ def _error(stderr: str) -> str:
 def run_peer(name: str, args, workdir: str) -> dict:
     """``name`` on its ranks (``--nproc``, one for plain): per step the slowest rank's time, the peak RSS of
     the largest rank; ``{"error": ...}`` when it cannot run here."""
+    from luwu_rt.cli.bench_e2e import peak_rss
+
     world = 1 if name in _ONE_RANK else args.nproc
     result = os.path.join(workdir, f"{name}.json")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
@@ -241,24 +241,31 @@ def run_peer(name: str, args, workdir: str) -> dict:
     cmd = [sys.executable, __file__, "--peer", name, "--result", result, "--model", args.model, "--batch-size",
            str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--nvme-dir",
            args.nvme_dir, "--timeout", str(args.timeout)]
+    logs = [open(f"{result}.stderr{r}", "w+") for r in range(world)]
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    errs = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
+                              stderr=logs[r]) for r in range(world)]
+    # Peak memory sampled while the ranks run, as ours is ([Note: a child's peak memory]).
+    deadline, rss = time.monotonic() + args.timeout, 0
+    while any(p.poll() is None for p in procs):
+        rss = peak_rss([p.pid for p in procs if p.poll() is None], rss)
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+                p.wait()
             return {"error": f"timed out after {args.timeout:.0f} s"}
-        errs.append(err)
+        time.sleep(0.2)
+    errs = []
+    for log in logs:
+        log.seek(0)
+        errs.append(log.read())
+        log.close()
     if any(p.returncode for p in procs):
         failed = next(i for i, p in enumerate(procs) if p.returncode)
         return {"error": _error(errs[failed] or f"exit status {procs[failed].returncode}")}
     ranks = [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(world)]
     times = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
     return {"step_s": statistics.median(times[1:]), "loss": ranks[0]["losses"][-1],
-            "rss": max(r["rss"] for r in ranks), "kind": ranks[0]["kind"], "ranks": world}
+            "rss": rss, "kind": ranks[0]["kind"], "ranks": world}
 
 
 # -- the run --------------------------------------------------------------------------------------

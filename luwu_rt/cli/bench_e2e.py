@@ -13,7 +13,16 @@ then, in the order communication (gather, reduce, push, pull), IO (NVMe, copies 
 an instant when nothing runs is ``stall`` (the executor's own time, Python, waits on peers outside any op).
 The five parts sum to the step. Bytes moved per tier are the executed moves' bytes, as the plan's
 ``io_bytes`` counts them; peak memory per tier is the plan's peak per tier (the arenas are allocated as
-planned) beside the largest process's measured peak resident memory (``ru_maxrss``).
+planned) beside the largest process's measured peak resident memory ([Note: a child's peak memory]).
+
+[Note: a child's peak memory]
+A child's ``ru_maxrss`` is no measure of it on Linux: a forked child starts with a copy of its parent's
+address space, and ``execve`` keeps that copy's high-water mark in ``ru_maxrss``. Children of a process that
+had 1.5 GB resident reported 1.5 GB after exec while their own image's peak (``VmHWM``) was 9 MB, so every
+small contestant of the end-to-end report read as its parent's 1.9 GB. ``VmHWM`` counts the process's
+current image only; ``peak_rss`` samples it over a process and its descendants while they run (every 0.2 s;
+a high-water mark, so only growth in a process's last 0.2 s can be missed), and ours and the peers are
+measured alike.
 
 With ``--rounds R`` the configurations take turns R times (order rotated per round); a configuration's
 figure is the median over rounds of its median step (steps after the first of each run).
@@ -240,6 +249,36 @@ def _moved(events: list[dict]) -> dict[str, dict[str, int]]:
     return moved
 
 
+def _hwm_bytes(pid: int) -> int:
+    """``pid``'s ``VmHWM`` in bytes; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (the ``children`` of each of its threads)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
+def peak_rss(pids: list[int], seen: int = 0) -> int:
+    """The largest peak resident memory among ``pids`` and their descendants, and ``seen`` (the last
+    sample): [Note: a child's peak memory]."""
+    return max([seen] + [_hwm_bytes(p) for pid in pids for p in _descendants(pid)])
+
+
 def _read_log(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip() and "val_loss" not in line]
@@ -267,9 +306,10 @@ def run_config(config: Config, *, workdir: str, profile: str, nvme_dir: str, tra
             cmd += ["--node", stack.enter_context(spawned_node(num_workers=config.nproc, host_mem=config.node_host_mem,
                                                                log_file=os.path.join(workdir, "node.log")))]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        seen = 0
+        seen = peak = 0
         while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            peak = peak_rss(_descendants(os.getpid())[1:], peak)  # the run's processes and its node's
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
             if pid:
                 break
             if on_step is not None and os.path.exists(log):
@@ -287,7 +327,7 @@ def run_config(config: Config, *, workdir: str, profile: str, nvme_dir: str, tra
         on_step(len(lines) - seen)
     with open(os.path.join(workdir, "stderr.txt")) as f:
         first = f.readline().strip()
-    return {"lines": lines, "trace": trace, "events": read_trace(trace), "peak_rss_bytes": usage.ru_maxrss * 1024,
+    return {"lines": lines, "trace": trace, "events": read_trace(trace), "peak_rss_bytes": peak,
             "first_line": first}
 
 

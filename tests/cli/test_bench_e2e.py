@@ -5,16 +5,40 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
-from luwu_rt.cli.bench_e2e import Config, breakdown
+from luwu_rt.cli.bench_e2e import Config, breakdown, peak_rss
 from luwu_rt.cli.main import main
 
 
 def _event(queue: str, start_ms: float, end_ms: float, name: str = "op", nbytes: int = 0) -> dict:
     return {"name": name, "tid": queue, "ph": "X", "ts": start_ms * 1e3, "dur": (end_ms - start_ms) * 1e3,
             "args": {"bytes": nbytes, "tier": ""}}
+
+
+def test_peak_memory_is_the_childrens_own_not_what_they_inherit_from_a_large_parent():
+    """[Note: a child's peak memory]: a child of a large process reports the parent's size as its
+    ru_maxrss; peak_rss reads each process's own high-water mark, grandchildren included."""
+    ballast = bytearray(600 << 20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # resident in this process, 600 MiB
+    grandchild = "import time; b = bytearray(96 << 20); b[::4096] = b'\\1' * len(b[::4096]); time.sleep(2)"
+    child = textwrap.dedent(f"""
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", {grandchild!r}], check=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child])
+    peak = 0
+    while proc.poll() is None:
+        peak = peak_rss([proc.pid], peak)
+        time.sleep(0.05)
+    assert proc.returncode == 0
+    assert 96 << 20 <= peak < 300 << 20  # the grandchild's 96 MiB and an interpreter, not the ballast
+    del ballast
 
 
 def test_the_breakdown_gives_each_instant_of_the_step_to_one_part():
