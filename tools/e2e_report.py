@@ -188,14 +188,27 @@ def measure(args, outdir: Path) -> dict:
     _say("the LuWu testbed on paper")
     figures["testbed"] = testbed()
     figures["load_average_end"] = _load()
+    _unpath_files(outdir)
     return _repo_relative(figures)
 
 
 def _repo_relative(figures: dict) -> dict:
     """The figures with this checkout's and the temporary directory's paths left out: the report is
     committed, and names no path of the machine that made it (trace files are read back from the repo root)."""
-    text = json.dumps(figures).replace(str(ROOT) + os.sep, "").replace(tempfile.gettempdir() + os.sep, "$TMPDIR/")
-    return json.loads(text)
+    return json.loads(_unpathed(json.dumps(figures)))
+
+
+def _unpathed(text: str) -> str:
+    return text.replace(str(ROOT) + os.sep, "").replace(tempfile.gettempdir() + os.sep, "$TMPDIR/")
+
+
+def _unpath_files(outdir: Path) -> None:
+    """The same for the files the measuring wrote beside the figures (profiles, the peers' report)."""
+    for path in outdir.rglob("*"):
+        if path.suffix in (".json", ".md") and path.is_file():
+            text = path.read_text()
+            if _unpathed(text) != text:
+                path.write_text(_unpathed(text))
 
 
 def _machine() -> dict:
