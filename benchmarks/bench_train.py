@@ -87,11 +87,12 @@ def _plain(model: str) -> Callable:
     params = list(chain.model.parameters())
     opt = torch.optim.AdamW(params, lr=_OPTIM["lr"], betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
-    return _torch_step(chain, params, opt)
+    return _torch_step(chain.forward, params, opt)
 
 
-def _torch_step(chain, params: list[torch.Tensor], opt: torch.optim.Optimizer) -> Callable:
-    """A plain training step with the engine's learning-rate schedule and clipping."""
+def _torch_step(forward: Callable, params: list[torch.Tensor], opt: torch.optim.Optimizer) -> Callable:
+    """A plain training step of ``forward(inputs, targets) -> loss`` with the engine's learning-rate schedule
+    and clipping."""
     count = 0
 
     def step(batch) -> float:
@@ -101,7 +102,7 @@ def _torch_step(chain, params: list[torch.Tensor], opt: torch.optim.Optimizer) -
             group["lr"] = lr_at(count, lr=_OPTIM["lr"], min_lr=_OPTIM["min_lr"], warmup_steps=_OPTIM["warmup_steps"],
                                 total_steps=_TOTAL_STEPS)
         opt.zero_grad(set_to_none=True)
-        loss = chain.forward(*batch)
+        loss = forward(*batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, _OPTIM["grad_clip"])
         opt.step()
@@ -120,7 +121,8 @@ def _free_port() -> int:
 
 
 def _fsdp2(model: str) -> Callable:
-    """FSDP2 ``fully_shard`` with ``CPUOffloadPolicy`` on a 1-process gloo group (raises where unsupported)."""
+    """FSDP2 ``fully_shard`` with ``CPUOffloadPolicy(pin_memory=False)`` on a 1-process gloo group (raises
+    where unsupported)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -130,13 +132,17 @@ def _fsdp2(model: str) -> Callable:
         dist.init_process_group("gloo")
     chain = build_gpt(model, device="cpu", seed=0)
     mesh = init_device_mesh("cpu", (1,))
+    # pin_memory=False: pinning asks for an accelerator ("Cannot access accelerator device"), and on a CPU
+    # mesh there is no copy for it to speed up.
     for block in chain.model.blocks:
-        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy())
-    fully_shard(chain.model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(chain.model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     params = list(chain.model.parameters())
     opt = torch.optim.AdamW(params, lr=_OPTIM["lr"], betas=(0.9, 0.95), weight_decay=0.1)
 
-    step = _torch_step(chain, params, opt)
+    # The root module's own forward: its FSDP hooks unshard the parameters it holds (the embeddings), which
+    # the chain's unit-by-unit forward would bypass.
+    step = _torch_step(chain.model, params, opt)
     step(_batches(256, batch_size=1, seq_len=8, count=1)[0])  # fails here when FSDP2 cannot run on this machine
     return step
 
