@@ -237,18 +237,6 @@ def breakdown(events: list[dict], *, step_s: float = 0.0) -> tuple[dict[str, flo
     return parts, busy
 
 
-def _moved(events: list[dict]) -> dict[str, dict[str, int]]:
-    """tier -> {"read", "write"} bytes of the moves among ``events`` (Load/Store spans: ``a->b`` in the name)."""
-    moved = {t: {"read": 0, "write": 0} for t in ("device", "host", "nvme")}
-    for e in events:
-        name = e["name"]
-        if name.startswith(("Load ", "Store ")) and "->" in name:
-            src, dst = name.rsplit(" ", 1)[1].split("->")
-            moved[src]["read"] += e["args"]["bytes"]
-            moved[dst]["write"] += e["args"]["bytes"]
-    return moved
-
-
 def _hwm_bytes(pid: int) -> int:
     """``pid``'s ``VmHWM`` in bytes; 0 once it is gone."""
     try:
@@ -414,6 +402,8 @@ def _slug(label: str) -> str:
 def result_of(config: Config, runs: list[dict], planned: list[dict], *, keep_trace: bool = False) -> Result:
     """``config``'s ``Result`` from its runs (``run_config``'s, one per round) and its plans (``predict``'s: one,
     or one per round); the error is the median over rounds of the error in that round."""
+    from luwu_rt.exec.trace import moved_by_tier
+
     per_round = [statistics.median(line["step_s"] for line in run["lines"][1:]) for run in runs]
     step_s = statistics.median(per_round)
     predicted = [p["predicted_step_s"] for p in planned]
@@ -427,7 +417,8 @@ def result_of(config: Config, runs: list[dict], planned: list[dict], *, keep_tra
     parts, busy = parted[slowest]
     tokens = config.batch_size * config.seq_len * config.nproc
     return Result(config=config, step_s=step_s, step_s_rounds=per_round, tokens_per_s=tokens / step_s,
-                  loss=last["lines"][-1]["loss"], parts_s=parts, busy_s=busy, moved_bytes=_moved(ranks[slowest]),
+                  loss=last["lines"][-1]["loss"], parts_s=parts, busy_s=busy, moved_bytes=moved_by_tier(
+                      (e["name"], e["args"]["bytes"]) for e in ranks[slowest]),
                   peak_bytes=planned["peak_bytes"], peak_rss_bytes=max(run["peak_rss_bytes"] for run in runs),
                   predicted_step_s=statistics.median(predicted), predicted_step_s_rounds=predicted,
                   error=statistics.median(errors), bottleneck=planned["bottleneck"],

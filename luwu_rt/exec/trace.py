@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from luwu_rt.plan.ops import Op
 
-__all__ = ["Span", "busy_by_queue", "covered_s", "write_chrome_trace", "write_rank_traces"]
+__all__ = ["Span", "busy_by_queue", "covered_s", "moved_by_tier", "write_chrome_trace", "write_rank_traces"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,20 @@ def busy_by_queue(spans: Iterable[Span]) -> dict[str, float]:
     for s in spans:
         by_queue.setdefault(s.queue, []).append((s.start_s, s.end_s))
     return {queue: covered_s(intervals) for queue, intervals in by_queue.items()}
+
+
+def moved_by_tier(moves: Iterable[tuple[str, int]]) -> dict[str, dict[str, int]]:
+    """tier -> {"read", "write"} bytes of the executed moves among ``(span name, bytes)`` pairs.
+
+    A move is a Load or Store span, whose name ends in ``src->dst``; other spans move nothing between tiers.
+    """
+    moved = {t: {"read": 0, "write": 0} for t in ("device", "host", "nvme")}
+    for name, nbytes in moves:
+        if name.startswith(("Load ", "Store ")) and "->" in name:
+            src, dst = name.rsplit(" ", 1)[1].split("->")
+            moved[src]["read"] += nbytes
+            moved[dst]["write"] += nbytes
+    return moved
 
 
 def covered_s(intervals: Iterable[tuple[float, float]]) -> float:

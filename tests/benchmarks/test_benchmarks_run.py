@@ -144,6 +144,7 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                out=f"{tmp}/train.md",
                                expect=[r"\| ours-host \| \d", r"\| fsdp2-cpu-offload \| (\d|unavailable: )",
                                        r"P5 verdict: ours-host / plain = \d", r"optimizer=nvme",
+                                       r"\| \d+\.\d\d / \d+\.\d\d \| [\d.]+ \|",  # executed NVMe bytes, the IO they take
                                        r"P7 verdict: steps complete .* = \d+\.\d+x"])],
     }
     return runs.get(script, [])
