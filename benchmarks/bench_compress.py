@@ -23,7 +23,7 @@ hook returns) is held until the bytes this rank has written to its sockets so fa
 really sent, with their own overlap of communication and compute. ``--link-gbps 0``: no limit.
 
     python benchmarks/bench_compress.py [--model gpt-tiny] [--batch-size 4] [--seq-len 64] [--link-gbps 0.1]
-        [--codecs none,bf16,onebit,topk:0.01,powersgd:4] [--out FILE]
+        [--codecs none,bf16,onebit,topk:0.01,powersgd:4] [--part both|codecs|training] [--out FILE]
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--numel", type=int, default=16 << 20, help="elements of part 1's codec throughput")
     p.add_argument("--codec-rounds", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--part", default="both", choices=("both", "codecs", "training"),
+                   help="part 1 (codec throughput), part 2 (training at 2 ranks), or both")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -350,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
                  f"--model {args.model} --batch-size {args.batch_size} --seq-len {args.seq_len} "
                  f"--strategy {args.strategy} "
                  f"--codecs {args.codecs} --link-gbps {args.link_gbps:g} --steps {args.steps} --rounds {args.rounds} "
-                 f"--numel {args.numel}`", "", f"Load before: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}.", ""]
-    lines += codec_throughput(args) + [""] + training(args)
+                 f"--numel {args.numel} --part {args.part}`", "",
+             f"Load before: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}.", ""]
+    if args.part in ("both", "codecs"):
+        lines += codec_throughput(args) + [""]
+    if args.part in ("both", "training"):
+        lines += training(args)
     load = os.getloadavg()
     lines += ["", f"Load after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; total {time.time() - started:.0f} s."]
     emit(lines, args.out)

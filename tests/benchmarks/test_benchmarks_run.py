@@ -121,7 +121,11 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                   expect=[r"\| onebit \| \d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+x \| >= 0\.5x",
                                           r"\| ours-onebit \| \d+\.\d+ \| \d+\.\d kB \| \d+\.\d kB \|",
                                           r"\| torch-ddp-bf16 \| \d+\.\d+ \|",
-                                          r"P13 verdict: onebit sends \d+\.\dx fewer bytes on the wire"])],
+                                          r"P13 verdict: onebit sends \d+\.\dx fewer bytes on the wire"]),
+                              Run(args=["--part", "codecs", "--numel", "65536", "--codec-rounds", "1",
+                                        "--codecs", "bf16,onebit", "--out", f"{tmp}/codecs.md"],
+                                  out=f"{tmp}/codecs.md",
+                                  expect=[r"\| bf16 \| \d+ \| 20\.00 \| [\d.]+ \| [\d.]+x \|"])],
         "bench_speculate.py": [Run(args=["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
                                          "--interleave", "2",
                                          "--nvme-dir", f"{tmp}/nvme", "--out", f"{tmp}/speculate.md"],
@@ -144,7 +148,7 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                out=f"{tmp}/train.md",
                                expect=[r"\| ours-host \| \d", r"\| fsdp2-cpu-offload \| (\d|unavailable: )",
                                        r"P5 verdict: ours-host / plain = \d", r"optimizer=nvme",
-                                       r"\| \d+\.\d\d / \d+\.\d\d \| [\d.]+ \|",  # executed NVMe bytes, the IO they take
+                                       r"\| \d+\.\d\d / \d+\.\d\d \| [\d.]+ \|",  # executed NVMe bytes, their IO
                                        r"P7 verdict: steps complete .* = \d+\.\d+x"])],
     }
     return runs.get(script, [])
