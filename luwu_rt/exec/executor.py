@@ -87,9 +87,12 @@ Handler = Callable[[Op, Views], "Handle | None"]
 class _Run:
     """The state of one ``Executor.run``: per op its event once issued, when its work ran once done."""
 
-    def __init__(self, num_ops: int, previous: "Pending | None") -> None:
+    def __init__(self, queued: Sequence[bool], previous: "Pending | None") -> None:
+        num_ops = len(queued)
         self.origin = time.perf_counter()
-        self.issued = [threading.Event() for _ in range(num_ops)]
+        self.issued = [threading.Event() if q else None for q in queued]
+        """Per op issued on a queue (not a ``Free``), set once it is; an event costs microseconds to make, and a
+        plan of small ops is thousands of them."""
         self.events: list[Event | None] = [None] * num_ops
         self.times: list[tuple[float, float] | None] = [None] * num_ops
         """Per op, when its work started and ended (perf_counter); spans are made from them after the run."""
@@ -107,7 +110,8 @@ class _Run:
             self.failures.append((index, error))
             self.failed.set()
         for issued in self.issued:
-            issued.set()
+            if issued is not None:
+                issued.set()
 
 
 class Pending:
@@ -150,6 +154,7 @@ class Executor:
         self.chaos = Chaos.from_env() if chaos == "env" else chaos
         self.partner: Executor | None = None
         self._by_queue: dict[str, list[int]] = {}
+        self._queued = [not isinstance(op, Free) for op in plan.ops]
         for i, op in enumerate(plan.ops):
             if not isinstance(op, Free):  # a Free has no work and no thread: its event joins its dependencies'
                 self._by_queue.setdefault(op.queue, []).append(i)
@@ -229,8 +234,11 @@ class Executor:
         issued on a queue: its event joins its dependencies' ([Note: issuing ops on streams])."""
         op = self.plan.ops[i]
         if not isinstance(op, Free):
-            run.issued[i].wait()
-            return run.events[i]
+            event = run.events[i]
+            if event is None:  # not issued yet: its event is set before ``issued``
+                run.issued[i].wait()
+                event = run.events[i]
+            return event
         event = run.events[i]
         if event is None:
             parts = [self._event(run, d) for d in op.deps]
@@ -325,7 +333,7 @@ class Executor:
                                          or not self.plan.wrap_deps):
                 previous.wait()  # not this pipeline's period: it starts cold
                 previous = None
-            run = _Run(len(self.plan.ops), previous)
+            run = _Run(self._queued, previous)
             jobs = []
             try:
                 if overlap:

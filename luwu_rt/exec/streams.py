@@ -81,8 +81,8 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaStream", "DeferredStream", "Event", "HostEvent", "HostStream", "IOEvent", "IOStream", "JoinedEvent",
-           "QUEUE_STREAMS", "Queues", "STREAM_KINDS", "Stream"]
+__all__ = ["CudaStream", "DeferredStream", "DoneEvent", "Event", "HostEvent", "HostStream", "IOEvent", "IOStream",
+           "JoinedEvent", "QUEUE_STREAMS", "Queues", "STREAM_KINDS", "Stream"]
 
 Work = Callable[[], None]
 
@@ -119,6 +119,23 @@ class HostEvent:
 
     def synchronize(self) -> None:
         self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class DoneEvent:
+    """An event complete when made: a host stream's (its work ran at ``launch``). Cheaper than a ``HostEvent``,
+    which makes a ``threading.Event``: a host queue records one per op."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
         if self.error is not None:
             raise self.error
 
@@ -211,8 +228,8 @@ class HostStream:
     def launch(self, fn: Work) -> None:
         self._pending.complete(fn)
 
-    def record(self) -> HostEvent:
-        return HostEvent(done=True, error=self._pending.take())
+    def record(self) -> DoneEvent:
+        return DoneEvent(self._pending.take())
 
     def wait(self, event: Event) -> None:
         self._pending.call(event.synchronize)  # blocks the queue thread: its next work is host code

@@ -61,16 +61,18 @@ class Arena:
                     f"lower --{tier}-mem (or move state to NVMe)"
                 )
             self.buffer = aligned_empty(nbytes, lock=(tier == "host"))
+        self._storage, self._base, self._device = (self.buffer.untyped_storage(), self.buffer.storage_offset(),
+                                                   self.buffer.device)  # buffer is uint8: its offset is in bytes
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """The ``nbytes`` at ``offset`` as a flat tensor of ``dtype`` (no copy)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         # Slots come from the planner; out-of-range or misaligned ones are planner bugs.
         assert 0 <= offset and offset + nbytes <= self.nbytes, (offset, nbytes, self.nbytes)
         assert offset % itemsize == 0 and nbytes % itemsize == 0, (offset, nbytes, dtype)
         # Not a slice of ``buffer``: slices share one autograd version counter, so a copy
         # into one slot would look like an in-place change of every tensor saved for
         # backward from another slot. A tensor set on the storage has its own counter.
-        out = torch.empty(0, dtype=dtype, device=self.buffer.device)
-        start = self.buffer.storage_offset() + offset  # bytes: buffer is uint8
-        return out.set_(self.buffer.untyped_storage(), start // itemsize, (nbytes // itemsize,))
+        # Every op takes a few views, so the storage and its offset are looked up once (__init__).
+        out = torch.empty(0, dtype=dtype, device=self._device)
+        return out.set_(self._storage, (self._base + offset) // itemsize, (nbytes // itemsize,))
