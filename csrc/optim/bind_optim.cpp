@@ -40,7 +40,6 @@ void check_common(int64_t numel, int num_threads, Isa isa, std::initializer_list
 }
 
 void check_out(ElemType out_type, uintptr_t param_out, int64_t numel) {
-  if (out_type == ElemType::kF32) throw std::invalid_argument("out_type must be BF16, F16 or NONE");
   if (out_type != ElemType::kNone && numel > 0 && param_out == 0) {
     throw std::invalid_argument("param_out is null but out_type is not NONE");
   }

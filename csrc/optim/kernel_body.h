@@ -26,7 +26,9 @@ inline typename V::F load_grad(const void* grad, int64_t i) {
 
 template <class V, ElemType O>
 inline void store_out(void* out, int64_t i, typename V::F x) {
-  if constexpr (O == ElemType::kBF16) {
+  if constexpr (O == ElemType::kF32) {
+    V::store(static_cast<float*>(out) + i, x);
+  } else if constexpr (O == ElemType::kBF16) {
     V::store_bf16(static_cast<uint16_t*>(out) + i, x);
   } else if constexpr (O == ElemType::kF16) {
     V::store_f16(static_cast<uint16_t*>(out) + i, x);
@@ -107,7 +109,11 @@ void probe_loop(const ProbeArgs& a, int64_t begin, int64_t end) {
     V::store(a.param + i, V::bxor(p, g));
     V::store(a.exp_avg + i, V::bxor(m, g));
     V::store(a.exp_avg_sq + i, V::bxor(v, g));
-    if constexpr (O != ElemType::kNone) V::store_trunc16(static_cast<uint16_t*>(a.param_out) + i, p);
+    if constexpr (O == ElemType::kF32) {
+      V::store(static_cast<float*>(a.param_out) + i, p);
+    } else if constexpr (O != ElemType::kNone) {
+      V::store_trunc16(static_cast<uint16_t*>(a.param_out) + i, p);
+    }
   }
 }
 
@@ -128,6 +134,7 @@ void dispatch_types(const Args& a, int64_t begin, int64_t end) {
     switch (a.out_type) {
       case ElemType::kBF16: return K<V, G, ElemType::kBF16>::run(a, begin, end);
       case ElemType::kF16: return K<V, G, ElemType::kF16>::run(a, begin, end);
+      case ElemType::kF32: return K<V, G, ElemType::kF32>::run(a, begin, end);
       default: return K<V, G, ElemType::kNone>::run(a, begin, end);
     }
   };

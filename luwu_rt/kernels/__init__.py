@@ -100,8 +100,8 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     ``param``, ``exp_avg``, ``exp_avg_sq``: float32, contiguous, same shape and
     device; ``grad``: float32, bfloat16 or float16, multiplied by ``grad_scale``
     first; ``step``: the step count including this one (1 on the first step);
-    ``param_out``: optional bfloat16/float16 tensor that receives the updated
-    parameter, rounded to nearest even exactly like ``param.to(dtype)``.
+    ``param_out``: optional float32/bfloat16/float16 tensor that receives the
+    updated parameter, rounded to nearest even exactly like ``param.to(dtype)``.
     """
     _adam(param, grad, exp_avg, exp_avg_sq, decoupled=True, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
           weight_decay=weight_decay, grad_scale=grad_scale, param_out=param_out, backend=backend)

@@ -13,7 +13,8 @@ import torch
 from luwu_rt.kernels.dtypes import COMPUTE_DTYPES, LOW_PRECISION_DTYPES
 
 GRAD_DTYPES = tuple(COMPUTE_DTYPES.values())
-OUT_DTYPES = LOW_PRECISION_DTYPES
+OUT_DTYPES = (torch.float32, *LOW_PRECISION_DTYPES)
+"""An fp32 copy-out is the compute copy of fp32 training, written in the update's pass over memory."""
 
 
 def _check_tensor(name: str, t: object, param: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:

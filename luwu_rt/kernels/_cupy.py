@@ -24,6 +24,10 @@ __device__ __forceinline__ float load_grad(const void* g, int kind, long long i)
 }
 
 __device__ __forceinline__ void store_out(void* out, int kind, long long i, float x) {
+  if (kind == 1) {
+    ((float*)out)[i] = x;
+    return;
+  }
   unsigned short h;
   if (kind == 2) {
     const unsigned int u = __float_as_uint(x);

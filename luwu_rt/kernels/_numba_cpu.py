@@ -49,6 +49,10 @@ def _load_grad_impl(grad, i):
 def _store_out_impl(out, i, x):
     if out.dtype == types.uint8:
         return lambda out, i, x: None
+    if out.dtype == types.float32:
+        def store_f32(out, i, x):
+            out[i] = x
+        return store_f32
     if out.dtype == types.uint16:
         def store_bf16(out, i, x):
             out[i] = nc.f32_to_half_bits(x, nc.KIND_BF16)

@@ -46,7 +46,7 @@ def unavailable_reason() -> str | None:
 # np.float32() wrappers are no-ops when compiled; in the simulator they keep
 # values that cross an @njit call boundary (boxed as Python floats) in float32.
 @cuda.jit
-def adam_kernel(p, g32, g16, gkind, m, v, out16, okind, scale, l2, decay, wd, lerp_w, small, beta2, omb2,
+def adam_kernel(p, g32, g16, gkind, m, v, out32, out16, okind, scale, l2, decay, wd, lerp_w, small, beta2, omb2,
                 bc2s, eps, nss):  # pragma: no cover - compiled
     i = cuda.grid(1)
     while i < p.size:
@@ -56,13 +56,15 @@ def adam_kernel(p, g32, g16, gkind, m, v, out16, okind, scale, l2, decay, wd, le
         p[i] = pi
         m[i] = mi
         v[i] = vi
-        if okind != 0:
+        if okind == 1:
+            out32[i] = pi
+        elif okind != 0:
             out16[i] = nc.f32_to_half_bits(np.float32(pi), okind)
         i += cuda.gridsize(1)
 
 
 @cuda.jit
-def sgd_kernel(p, g32, g16, gkind, buf, out16, okind, scale, use_wd, wd, use_buf, first, nesterov, mom, omd,
+def sgd_kernel(p, g32, g16, gkind, buf, out32, out16, okind, scale, use_wd, wd, use_buf, first, nesterov, mom, omd,
                nlr):  # pragma: no cover - compiled
     i = cuda.grid(1)
     while i < p.size:
@@ -72,7 +74,9 @@ def sgd_kernel(p, g32, g16, gkind, buf, out16, okind, scale, use_wd, wd, use_buf
         p[i] = pi
         if use_buf:
             buf[i] = bi
-        if okind != 0:
+        if okind == 1:
+            out32[i] = pi
+        elif okind != 0:
             out16[i] = nc.f32_to_half_bits(np.float32(pi), okind)
         i += cuda.gridsize(1)
 
@@ -110,9 +114,11 @@ def _grad_args(grad: torch.Tensor) -> tuple[object, object, int]:
     return _as_array(None, np.float32), _as_array(grad, np.uint16), kind
 
 
-def _out_args(param_out: torch.Tensor | None) -> tuple[object, int]:
+def _out_args(param_out: torch.Tensor | None) -> tuple[object, object, int]:
     kind = nc.KIND_NONE if param_out is None else nc.KINDS[param_out.dtype]
-    return _as_array(param_out, np.uint16), kind
+    if kind == nc.KIND_F32:
+        return _as_array(param_out, np.float32), _as_array(None, np.uint16), kind
+    return _as_array(None, np.float32), _as_array(param_out, np.uint16), kind
 
 
 def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

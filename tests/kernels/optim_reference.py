@@ -109,8 +109,8 @@ def _simulator_main() -> int:
     cases = 0
     for kind in ("adamw", "adam", "sgd"):
         for numel in (0, 1, 7, 33):
-            for grad_dtype, out_dtype in ((torch.float32, None), (torch.bfloat16, torch.bfloat16),
-                                          (torch.float16, torch.float16)):
+            for grad_dtype, out_dtype in ((torch.float32, None), (torch.float32, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)):
                 hp = random_hparams(rng, kind, decay=numel % 2 == 1, scaled=True)
                 run_case(kind, "numba-cuda", numel=numel, num_steps=3, grad_dtype=grad_dtype, out_dtype=out_dtype,
                          hp=hp, seed=rng.randrange(1 << 30), non_finite=numel == 33)

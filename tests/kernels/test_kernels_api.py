@@ -32,7 +32,7 @@ def test_adam_bad_tensor_names_the_argument(fn, name: str, bad: object, match: s
 
 
 @pytest.mark.parametrize("bad, match", [
-    (torch.zeros(8), "param_out has dtype"),
+    (torch.zeros(8, dtype=torch.float64), "param_out has dtype"),
     (torch.zeros(7, dtype=torch.bfloat16), "param_out has shape"),
     (torch.zeros(16, dtype=torch.float16)[::2], "param_out is not contiguous"),
 ])
