@@ -186,7 +186,7 @@ def launch(command: Sequence[str], nproc: int, *, timeout_s: float, env: dict[st
             if first is None:
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
-                    first = failed[0]
+                    first = _cause(store, failed)
                     _announce(store, *first)
                     deadline = time.monotonic() + timeout_s
             if deadline is not None:
@@ -223,10 +223,24 @@ def launch(command: Sequence[str], nproc: int, *, timeout_s: float, env: dict[st
         failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
         if not failed:
             return 0
-        first = failed[0]
+        first = _cause(store, failed)
         _announce(store, *first)
     rank, code = first
     return code if code > 0 else 128 - code
+
+
+def _cause(store, failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """Of ranks found ended with failure codes in the same poll, ``(rank, code)`` of the cause: one that failed on its
+    own (``health.report_failure``), not a witness that failed on a collective naming it and exited first; else the
+    lowest rank. A witness exits 1 within a poll of the cause, so which one was seen first was a race."""
+    for rank, code in failed:
+        try:
+            said = health.failure(store, rank)
+        except Exception:  # the store cannot say
+            break
+        if said is not None and not said[0]:
+            return rank, code
+    return failed[0]
 
 
 def _announce(store, rank: int, code: int) -> None:
