@@ -31,8 +31,10 @@ def train(rank: int, runs: list[tuple[str, dict]], save: dict[str, str] | None =
                 losses.append(engine.train_step()["loss"])
                 if save and key in save and engine.step == SAVE_AT:
                     engine.save(save[key])
+            nvme = engine.store.nvme  # where this rank's NVMe shards are, looked at while they are there
             out[key] = {"losses": losses, "strategy": engine.strategy.name, "placement": engine.placement,
-                        "val": engine.evaluate(num_batches=1)}
+                        "val": engine.evaluate(num_batches=1),
+                        "nvme_files": sorted(str(p) for p in nvme.directory.glob("*.bin")) if nvme else []}
     return out
 
 

@@ -6,6 +6,8 @@ executor's chaos mode; and checkpoints moved between numbers of ranks and strate
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rank_jobs import SAVE_AT, STEPS, config
@@ -96,8 +98,12 @@ def test_every_strategy_with_optimizer_on_nvme_equals_local(reference, nvme_root
         r = results[0][s]
         assert r["strategy"] == s and r["placement"].optimizer == "nvme"
         _close(r["losses"], reference["nvme"], f"{s} with optimizer on NVMe{' (chaos)' if chaos_mode else ''}")
-    # Each rank kept its own shards in its own directory.
-    assert (nvme_root / "nvme0-zero3" / "rank-0").is_dir() and (nvme_root / "nvme0-zero3" / "rank-1").is_dir()
+    # Each rank kept its own shards in its own directory (seen while the run held them: the directories the
+    # engine created are gone after it closed).
+    for rank in (0, 1):
+        files = results[rank]["zero3"]["nvme_files"]
+        home = nvme_root / f"nvme{int(chaos_mode)}-zero3" / f"rank-{rank}"
+        assert files and all(Path(f).parent.parent == home for f in files), (rank, files)
 
 
 @pytest.mark.parametrize("chaos_mode", [False, True], ids=["plain", "chaos"])
