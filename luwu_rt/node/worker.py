@@ -137,11 +137,13 @@ class NodeWorker:
 
     def keep_initial(self, unit: int, states: Mapping[str, torch.Tensor]) -> None:
         """The optimizer states of a unit: worker 0 keeps them for the node, the others drop them; a residual is
-        every worker's own, in its store (the caller flushes it)."""
+        every worker's own, in its store (the caller flushes it). A call sets the states it names and keeps
+        the others: a resume gives the moments first and each residual after, in a call of its own."""
         if "residual" in states:
             self.store.write_state(unit, "residual", states["residual"])
         if self.rank == 0:
-            self._initial[unit] = {s: v.float().contiguous() for s, v in states.items() if s in INIT_STATES}
+            self._initial.setdefault(unit, {}).update(
+                {s: v.float().contiguous() for s, v in states.items() if s in INIT_STATES})
 
     def describe(self) -> tuple[str, ...]:
         return ("optimizer state on the optimizer node",)

@@ -87,3 +87,45 @@ def train_any(rank: int, runs: list[tuple[str, dict, str]], steps: int) -> dict[
                         "wire_bytes": metrics[-1]["wire_bytes"], "encode_s": sum(m["encode_s"] for m in metrics),
                         "push_bytes": sum(op.comm_bytes for op in engine.plan.ops if op.kind == "Push")}
     return out
+
+
+def _final_states(engine) -> dict[str, Any]:
+    """After the run's last step: every unit's master weights and moments (from the node), and this worker's
+    residuals (its store), each state's units joined as one numpy array (pickled by value)."""
+    import torch
+
+    out = {}
+    for state in ("master", "exp_avg", "exp_avg_sq", "residual"):
+        parts = [engine.optimizer.read_state(u, state, torch.empty(engine.chain.num_unit_params(u)))
+                 for u in range(engine.chain.num_units) if state != "residual" or engine.strategy.codec(u) != "none"]
+        out[state] = torch.cat(parts).numpy() if parts else None
+    return out
+
+
+
+def compressed_resume(rank: int, runs: list[tuple[str, list[str], str, str]], steps: int,
+                      save_at: int) -> dict[str, dict[str, Any]]:
+    """Per run ``(codec, [first, second] node addresses, checkpoint directory, chaos seed or "")``: strategy
+    node with ``codec`` for ``steps`` steps against the node at ``first``, checkpointing after ``save_at``
+    (``path``), its losses and final states (``_final_states``) as ``full``; then that checkpoint resumed to
+    ``steps`` against the fresh node at ``second``, this process drawing the chaos seed: the same as ``resumed``."""
+    from luwu_rt.engine import Engine
+    from luwu_rt.exec.chaos import CHAOS_ENV
+
+    out: dict[str, dict[str, Any]] = {}
+    for codec, (first, second), directory, chaos in runs:
+        got = out[codec] = {}
+        os.environ[CHAOS_ENV] = ""
+        with Engine(None, config(strategy="node", node=first, compress=codec, steps=steps)) as engine:
+            losses = []
+            for _ in range(steps):
+                losses.append(engine.train_step()["loss"])
+                if engine.step == save_at:
+                    got["path"] = str(engine.save(directory))
+            got["full"] = {"loss": losses, **_final_states(engine)}
+        os.environ[CHAOS_ENV] = chaos  # read when the engine's executors are made
+        with Engine.load(got["path"], overrides={"strategy": "node", "node": second}) as engine:
+            assert engine.step == save_at
+            got["resumed"] = {"loss": [engine.train_step()["loss"] for _ in range(save_at, steps)],
+                              **_final_states(engine)}
+    return out
