@@ -1,4 +1,4 @@
-"""Issue 21 item 5: the executor's cost per op, on a plan of many small ops.
+"""Issue 21 item 5 (benchmarks/README.md): the executor's cost per op, on a plan of many small ops.
 
 A step of a real model spends milliseconds in each op, so what the executor adds per op (issuing on a queue
 thread, waiting on dependencies' events, recording its own, timing it) hides there; a plan of many small
@@ -36,10 +36,11 @@ from report import cpu_model, emit  # benchmarks/report.py
 
 def _plan(units: int, unit_params: int):
     from luwu_rt.plan import Budgets, ModelSpec, Placement, UnitSpec, plan_step
+    from luwu_rt.plan.spec import ALIGN_BYTES  # a chunk is whole O_DIRECT blocks
 
-    model = ModelSpec(units=tuple(UnitSpec(name=f"u{i}", num_params=unit_params) for i in range(units)),
-                      param_bytes=4, grad_bytes=4, chunk_bytes=unit_params * 4)
     unit_bytes = unit_params * 4
+    model = ModelSpec(units=tuple(UnitSpec(name=f"u{i}", num_params=unit_params) for i in range(units)),
+                      param_bytes=4, grad_bytes=4, chunk_bytes=-(-unit_bytes // ALIGN_BYTES) * ALIGN_BYTES)
     return plan_step(model, budgets=Budgets(device_bytes=8 * 2 * unit_bytes, host_bytes=64 * units * unit_bytes),
                      placement=Placement(params="host", optimizer="host", grads="host"))
 

@@ -84,7 +84,7 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                       out=f"{tmp}/node-predict.md",
                                       expect=[r"profile measured here: compute_flops=",
                                               r"\| measured \d+\.\d ms .* \| predicted \d+\.\d ms \([+-]\d+%\)"])],
-        "bench_executor.py": [Run(args=["--units", "8", "--unit-params", "256", "--rounds", "2",
+        "bench_executor.py": [Run(args=["--units", "8", "--unit-params", "1024", "--rounds", "2",
                                         "--out", f"{tmp}/ex.md"],
                                   out=f"{tmp}/ex.md",
                                   expect=[r"\| overlap \| \d+\.\d+ \| [\d,]+ \| -?\d+\.\d \|",
