@@ -62,7 +62,7 @@ from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk, wire_bytes
-from luwu_rt.plan.search import plan_speculative
+from luwu_rt.plan.search import plan_speculative, snug_arenas
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -236,21 +236,23 @@ class Engine:
         self.model_spec: ModelSpec = kept.model
         """The planner's view of the run, with the reserve of ``keep_graph``'s activations."""
         self.strategy, result = kept.strategy, kept.result
-        validate(result.plan)
         self._agree(result)
-        self.plan, self.placement, self.predicted = result.plan, result.placement, result.cost
-        self.halves = self._double_buffered(budgets)
-        if self.halves is not None:  # the speculative plan is the step's plan; the others run when it is redone
+        self.placement = result.placement
+        # Arenas no larger than the step needs ([Note: arenas no larger than the step needs] in plan/search.py):
+        # every plan over the store made again under each trial limit, the step's predicted time the judge.
+        unlimited, halves = self._plans_for(budgets, step=result.plan)
+        snug, _ = snug_arenas(budgets, plans=lambda b: unlimited if b is budgets else self._plans_for(
+                                  b, halves=halves is not None)[0],
+                              predict=lambda plans: estimate(plans[0], profile, steady=True).predicted_step_s)
+        (self.plan, self.eval_plan, *_), self.halves = self._plans_for(
+            snug, step=result.plan if snug is budgets else None, halves=halves is not None, check=True)
+        """``halves``: the step's plans by half of a double-buffered optimizer state (``plan_speculative``), the
+        step's plan the speculative one; ``None`` when the state has one half."""
+        if self.halves is not None:
             self.model_spec = replace(self.model_spec, double_buffer=True)
-            self.plan = self.halves["speculate"][0]
-            self.predicted = estimate(self.plan, profile)
+        self.predicted = estimate(self.plan, profile)
         self.wire_bytes = wire_bytes(self.plan)
         """Bytes this rank sends per step by the plan's collectives (compressed payloads as encoded)."""
-        # Evaluation runs a forward-only plan (one micro-batch) over the same store: the same layout (which
-        # depends on the micro-batches: accumulating reduce-scatters have a workspace), homes and reserve.
-        self.eval_plan = plan_step(replace(self.model_spec, forward_only=True), budgets=budgets,
-                                   placement=self.placement, strategy=self.strategy)
-        validate(self.eval_plan)
         others = [p for pair in (self.halves or {}).values() for p in pair if p is not self.plan]
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
                                         io_backend=self.config.io_backend, also=(self.eval_plan, *others),
@@ -258,15 +260,36 @@ class Engine:
         if self.store.nvme is None:
             self._made_dirs()  # the plan keeps nothing on NVMe: no directory of ours in the way while it runs
 
-    def _double_buffered(self, budgets: Budgets) -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
-        """The plans of a double-buffered optimizer state, by half (``plan_speculative``), each validated; ``None``
-        when the run's updates need not wait for the norm, its optimizer state is not on NVMe in this process, or
-        the second half does not fit."""
-        halves = plan_speculative(self.model_spec, budgets=budgets, placement=self.placement, strategy=self.strategy)
-        for pair in (halves or {}).values():
-            for plan in pair:
+    def _plans_for(self, budgets: Budgets, *, step: SwapPlan | None = None, halves: bool | None = None,
+                   check: bool = False) -> tuple[tuple[SwapPlan, ...], dict[str, tuple[SwapPlan, SwapPlan]] | None]:
+        """Every plan this run makes over its store with ``budgets`` - the step's (a double-buffered optimizer
+        state's speculative one), evaluation's, the other halves' - and the halves by name (``None``: one
+        half, ``_double_buffered``). ``step``: the step's plan of a state with one half, made already;
+        ``halves``: whether the state must have two (else ``ValueError``, as for a plan that does not fit);
+        ``check``: each plan validated."""
+        made = self._double_buffered(budgets)
+        if halves is not None and halves != (made is not None):
+            raise ValueError("the second half of the optimizer state does not fit these budgets")
+        model = replace(self.model_spec, double_buffer=made is not None)
+        if made is not None:
+            step = made["speculate"][0]
+        elif step is None:
+            step = plan_step(model, budgets=budgets, placement=self.placement, strategy=self.strategy)
+        # Evaluation runs a forward-only plan (one micro-batch) over the same store: the same layout (which
+        # depends on the micro-batches: accumulating reduce-scatters have a workspace), homes and reserve.
+        evaluation = plan_step(replace(model, forward_only=True), budgets=budgets, placement=self.placement,
+                               strategy=self.strategy)
+        plans = (step, evaluation, *(p for pair in (made or {}).values() for p in pair if p is not step))
+        if check:
+            for plan in plans:
                 validate(plan)
-        return halves
+        return plans, made
+
+    def _double_buffered(self, budgets: Budgets) -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
+        """The plans of a double-buffered optimizer state, by half (``plan_speculative``); ``None`` when the run's
+        updates need not wait for the norm, its optimizer state is not on NVMe in this process, or the second half
+        does not fit."""
+        return plan_speculative(self.model_spec, budgets=budgets, placement=self.placement, strategy=self.strategy)
 
     def _plans(self) -> list[SwapPlan]:
         """Every training plan this engine may run (the step's; with a double-buffered state every half's)."""

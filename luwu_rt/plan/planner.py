@@ -111,7 +111,10 @@ class _Walk:
         self.copies: dict[ShardId, dict[str, _Copy]] = {s: {} for s in layout}
         self.latest: dict[ShardId, int] = dict.fromkeys(layout, 0)
         self.resident: dict[str, dict[ShardId, None]] = {t: {} for t in TIERS}
-        self.arenas = {"device": Arena(budgets.device_bytes - reserve_bytes), "host": Arena(budgets.host_bytes)}
+        self.reserve_bytes = reserve_bytes
+        capacity = {"device": budgets.device_bytes - reserve_bytes, "host": budgets.host_bytes}
+        self.arenas = {t: Arena(n if budgets.arena_limit(t) is None else min(n, budgets.arena_limit(t)))
+                       for t, n in capacity.items()}
         self.used = dict.fromkeys(TIERS, 0)
         self.peak = dict.fromkeys(TIERS, 0)
         self.peak["device"] = reserve_bytes
@@ -210,7 +213,7 @@ class _Walk:
 
     def _account(self, tier: str, nbytes: int) -> None:
         self.used[tier] += nbytes
-        extra = self.budgets.device_bytes - self.arenas["device"].capacity_bytes if tier == "device" else 0
+        extra = self.reserve_bytes if tier == "device" else 0
         self.peak[tier] = max(self.peak[tier], self.used[tier] + extra)
 
     def free_copy(self, shard: ShardId, tier: str) -> None:

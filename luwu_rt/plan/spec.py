@@ -216,13 +216,23 @@ class Budgets:
     """The pinned host arena."""
     nvme_bytes: int | None = None
     """NVMe capacity; ``None`` when unlimited or unknown."""
+    device_arena_bytes: int | None = None
+    """The most bytes the device arena's slots may span, within ``device_bytes`` less the activation reserve;
+    ``None``: all of that. Set by ``snug_arenas`` ([Note: arenas no larger than the step needs] in search.py)."""
+    host_arena_bytes: int | None = None
+    """The same for the host arena, within ``host_bytes``."""
 
     def __post_init__(self) -> None:
-        if self.device_bytes < 0 or self.host_bytes < 0 or (self.nvme_bytes is not None and self.nvme_bytes < 0):
+        sizes = (self.device_bytes, self.host_bytes, self.nvme_bytes, self.device_arena_bytes, self.host_arena_bytes)
+        if any(n is not None and n < 0 for n in sizes):
             raise ValueError(f"budgets must not be negative: {self}")
 
     def of(self, tier: str) -> int | None:
         return {"device": self.device_bytes, "host": self.host_bytes}.get(tier, self.nvme_bytes)
+
+    def arena_limit(self, tier: str) -> int | None:
+        """``device_arena_bytes`` or ``host_arena_bytes``."""
+        return self.device_arena_bytes if tier == "device" else self.host_arena_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -294,6 +294,10 @@ def validate(plan: SwapPlan) -> None:
 
 
 def _replay(plan: SwapPlan) -> None:
+    for tier, nbytes in plan.arena_bytes.items():
+        limit = plan.budgets.arena_limit(tier)
+        if limit is not None and nbytes > limit:
+            raise PlanError(f"the {tier} arena spans {format_size(nbytes)}, over its limit {format_size(limit)}")
     replay = _Replay(plan)
     for shard, slot in plan.home_slots.items():
         replay.add(shard, plan.homes[shard.state], slot, 0, None)
