@@ -199,8 +199,9 @@ def snug_arenas(budgets: Budgets, *, plans: Callable[[Budgets], Sequence[SwapPla
     keeping a limit only when the plans still plan, the step's live peak is unchanged and its predicted time
     is no longer: the dependencies on older frees that the spread bought are kept where the cost model says
     they matter, and the memory is given back where it says they do not (gpt-small's zero3 on this machine's
-    calibrated profile: a device arena of about 210 MiB, the same predicted step). The limits go into the budgets, so that every plan over the store (evaluation, the halves
-    of a double-buffered state) keeps to them."""
+    calibrated profile: a device arena of about 210 MiB, the same predicted step). The limits go into the
+    budgets, so that every plan over the store (evaluation, the halves of a double-buffered state) keeps to
+    them."""
     best = tuple(plans(budgets))
     target, peaks = predict(best), dict(best[0].peak_bytes)
     for tier in ("device", "host"):
