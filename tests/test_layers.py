@@ -17,7 +17,7 @@ ROOT = Path(luwu_rt.__file__).parent
 
 FLOORS: dict[str, int] = {
     # standard library only (plan: see tests/plan for its purity), and the native module
-    "plan": 0, "config": 0, "fs": 0, "interrupt": 0, "_C": 0, "__init__": 0,
+    "plan": 0, "config": 0, "fs": 0, "interrupt": 0, "heap": 0, "_C": 0, "__init__": 0,
     "io": 1, "kernels": 1, "models": 1, "data": 1,
     "store": 2, "optim": 2, "ckpt": 2,
     # gradient codecs: Numba kernels that reuse kernels' rounding, below the dist handlers that run them

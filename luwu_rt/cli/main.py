@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from luwu_rt import heap
+
+    # Before torch or any thread of ours allocates: one heap for the process ([Note: the C heap under CPU tensors]).
+    heap.share_one_arena()
     args = parse_args(argv)
     try:
         return int(args._run(args) or 0)

@@ -46,6 +46,7 @@ from luwu_rt.dist import CollectiveHandlers, TorchGroup
 from luwu_rt.dist.compressed import CodecHandlers
 from luwu_rt.dist.world import World, init_from_env, queue_groups
 from luwu_rt.ckpt.format import CheckpointReader, new_run_id, run_checkpoints
+from luwu_rt import heap
 from luwu_rt.engine.budgets import DEMO_MODEL, resolve_budgets
 from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig, resumed_settings
@@ -100,6 +101,8 @@ class Engine:
 
     def __init__(self, model: Any = None, config: TrainConfig | None = None, *, materialize: bool = True,
                  init_from: str | os.PathLike | None = None) -> None:
+        # Before any thread of the run allocates: one heap for all of them ([Note: the C heap under CPU tensors]).
+        heap.share_one_arena()
         config = config or TrainConfig()
         if config.optim.schedule_steps is None:
             # Where the cosine ends is part of the run's config: its checkpoints and the node's HELLO say it, and a
@@ -357,6 +360,7 @@ class Engine:
             flat = source.unit(u)
             self._write_unit(u, {"master": flat, "exp_avg": torch.zeros_like(flat),
                                  "exp_avg_sq": torch.zeros_like(flat)})
+        heap.trim()  # the units' temporaries, freed, would stay resident ([Note: the C heap under CPU tensors])
 
     def _write_unit(self, unit: int, states: Mapping[str, torch.Tensor]) -> None:
         """Sets a unit's whole buffers (this rank's part of them, ``_mine``): the parameters in the store, the
@@ -544,6 +548,7 @@ class Engine:
                                      self.param_dtype if state == "param" else torch.float32)
                                  for state in PERSISTENT})
         self._load_residuals(reader)
+        heap.trim()  # as after materialising: the checkpoint's tensors, read and freed
         self.step = reader.meta["step"]
         self.optimizer.start_at(step=self.step, adam_step=reader.meta["adam_step"])
 
