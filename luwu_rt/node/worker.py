@@ -30,6 +30,19 @@ from the snapshot's exact fp32 state, so the replayed steps compute the same
 losses bit for bit.
 Batches given to ``train_step`` are kept for two of the node's snapshot
 intervals (its WELCOME says ``snapshot_every``), so those steps replay too.
+A compressed run's residuals (error feedback) are this worker's state, and
+every step changes them: replayed with the residuals the worker holds now,
+steps s+1 ... would encode their gradients with the error of steps the node
+forgot (and a step the node lost mid-way would add its own error twice). So
+after each step the node snapshots (a multiple of ``snapshot_every``; also
+the step it joins at, which a node resumed from its own snapshot may return
+to) the worker copies its residuals, keeps the newest ``KEEP_SNAPSHOTS`` as
+the node keeps its snapshots, and a rejoin at step s writes step s's copy
+back into the store before it replays: the replay is the run bit for bit.
+The copies are host memory beside the store, outside ``--host-mem``: 4 bytes
+per compressed parameter each, held only when the run compresses and the
+node snapshots. A node back at a step whose copy the worker no longer holds
+is refused, naming the steps it holds.
 
 A compressed unit ([Note: compressed pushes] in plan/codec.py) is encoded by
 the plan's ``Encode`` (the data-parallel strategies' handler, which the engine
@@ -59,6 +72,7 @@ from .client import NodeClient, NodeError, NodeLost
 from .config import check_address
 from .protocol import INIT_STATES
 from .shards import slice_of
+from .snapshot import KEEP_SNAPSHOTS
 
 __all__ = ["NodeWorker"]
 
@@ -114,6 +128,9 @@ class NodeWorker:
         """Step -> the batch ``run_step`` was given, for replays ([Note: a node that restarts])."""
         self._snapshot_every = 0
         """The node's --snapshot-every, from its WELCOME."""
+        self._residuals: dict[int, dict[int, torch.Tensor]] = {}
+        """Step -> unit -> this worker's residual after that step, at the node's snapshot steps (a compressed
+        run's replay starts from them: [Note: a node that restarts])."""
         self.shard_spans: list[list[Span]] = []
         """Every node shard's op spans of the run's last step, in shard order: their rows in ``--trace``."""
 
@@ -198,6 +215,7 @@ class NodeWorker:
                     raise NodeError(f"the optimizer node at {address} is at step {welcome['step']}, this worker "
                                        f"at step {step - 1}: resume the workers from the node's step")
             self._initial.clear()
+            self._keep_residuals(step - 1)
         self.step = step
         self.optimizer.begin(step)  # the node updates; this reports the step's lr
         for c in self.clients:
@@ -266,7 +284,20 @@ class NodeWorker:
             self.shard_spans = [[Span(*x) for x in st.get("spans", ())] for st in every]
         # The node skipped the update (a non-finite norm) or applied it: so counts the worker's Adam step.
         result = self.optimizer.finish(outcome=StepOutcome(grad_norm=self._grad_norm, skipped=bool(stats["skipped"])))
+        self._keep_residuals(self.step)
         return dataclasses.replace(result, loss=loss)
+
+    def _keep_residuals(self, step: int) -> None:
+        """After ``step``: a copy of every residual when the node snapshots that step, the newest
+        ``KEEP_SNAPSHOTS`` kept ([Note: a node that restarts])."""
+        every = self._snapshot_every
+        if self.compress == "none" or not every or step <= 0 or step % every:
+            return
+        units = sorted(s.unit for s in self.plan.shards if s.state == "residual")
+        self._residuals[step] = {u: self.store.read_state(u, "residual", torch.empty(self.model.units[u].num_params))
+                                 for u in units}
+        for old in sorted(self._residuals)[:-KEEP_SNAPSHOTS]:
+            del self._residuals[old]
 
     def _rejoin(self, target: int) -> int:
         """A new connection to the restarted node; the store gets the parameters of the node's step, which it
@@ -281,12 +312,19 @@ class NodeWorker:
         if step >= target:
             raise NodeError(f"the optimizer node at {self.address} resumed at step {step}, past this worker's step "
                             f"{target}: its snapshot directory holds another run's snapshot")
+        if self.compress != "none" and step not in self._residuals:
+            raise NodeError(f"the optimizer node at {self.address} resumed at step {step}, but this worker keeps its "
+                            f"residuals (--compress {self.compress}) of steps {sorted(self._residuals)} only, so a "
+                            f"replay would not be the run's: restart the node on an empty --snapshot-dir and resume "
+                            f"the workers from their last checkpoint (luwu train --resume)")
         print(f"luwu worker {self.rank}: the optimizer node at {self.address} restarted at step {step}; "
               f"replaying steps {step + 1}..{target}", file=sys.stderr, flush=True)
         for unit, spec in enumerate(self.model.units):
             buf = torch.empty(spec.num_params, dtype=self.param_dtype)
             self.client.pull(step, unit, [(0, buf)]).wait()
             self.store.write_state(unit, "param", buf)
+        for unit, residual in self._residuals.get(step, {}).items():  # the error feedback of step ``step``
+            self.store.write_state(unit, "residual", residual)
         self.store.flush()
         self.start_at(step=step, adam_step=int(welcome["adam_step"]))
         self.rejoins += 1

@@ -52,7 +52,10 @@ Under strategy ``node`` a compressed unit's gradient is encoded on the worker as
 with the worker's residual as error feedback, and the worker pushes piece j's payload P(n_j) to shard j.
 The node decodes every worker's payload and sums the values in fp32 in rank order (``Pushes.take`` in
 node/runner.py), as a ddp rank sums its all-gathered payloads: with one node shard the summed gradient is
-ddp's bit for bit. Sent per worker per step sum_j P(n_j) instead of 4N. Only the elementwise codecs
+ddp's bit for bit. With k shards it is not: a blocked codec (onebit, topk) cuts its blocks from each piece's
+start, ddp's from the unit's; k workers on k shards are zero1 on k ranks instead, whose rank s encodes and
+sums the same pieces (and whose sharded norm the shards' equals). Sent per worker per step sum_j P(n_j)
+instead of 4N. Only the elementwise codecs
 (``NODE_CODECS``); ``--compress auto`` is not offered for node (the cost model prices collectives, not
 pushes). The run's codec is part of the HELLO manifest ([Note: the manifest] in node/manifest.py), so a
 node refuses a worker whose codec is another.

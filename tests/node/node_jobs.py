@@ -29,9 +29,9 @@ def train(rank: int, runs: list[tuple[str, dict, str]]) -> dict[str, list[float]
     return out
 
 
-def train_metrics(rank: int, runs: list[tuple[str, dict, str]],
-                  given: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
-    """Each run ``(key, overrides, chaos seed or "")`` for ``STEPS`` steps: its losses, grad norms and the
+def train_metrics(rank: int, runs: list[tuple[str, dict, str]], given: tuple[str, ...] = (),
+                  steps: int = STEPS) -> dict[str, dict[str, Any]]:
+    """Each run ``(key, overrides, chaos seed or "")`` for ``steps`` steps: its losses, grad norms and the
     steps the worker replayed after its node restarted. Runs named in ``given`` pass ``train_step`` the
     batches the engine would draw (a node restart must replay them from what it kept)."""
     from luwu_rt.engine import Engine
@@ -40,12 +40,12 @@ def train_metrics(rank: int, runs: list[tuple[str, dict, str]],
     out = {}
     for key, overrides, chaos in runs:
         os.environ[CHAOS_ENV] = chaos  # read when the engine's executors are made
-        with Engine(None, config(**overrides)) as engine:
+        with Engine(None, config(**{"steps": steps, **overrides})) as engine:
             if key in given:
                 metrics = [engine.train_step(engine._my_rows(engine.sampler().batch(engine.step)))
-                           for _ in range(STEPS)]
+                           for _ in range(steps)]
             else:
-                metrics = [engine.train_step() for _ in range(STEPS)]
+                metrics = [engine.train_step() for _ in range(steps)]
             out[key] = {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics],
                         "replayed": engine.optimizer.replayed, "rejoins": engine.optimizer.rejoins}
     return out
