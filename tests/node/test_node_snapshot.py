@@ -3,7 +3,8 @@ snapshot directory resumes there (that run in the chaos mode, workers and node, 
 ``train_step``), the workers rejoin and replay, and the run ends with the losses of an uninterrupted node run bit
 for bit; that run's losses and the grad norms the workers report (the node's)
 equal the single-process run's on the global batch within 1e-5 relative. One set of worker processes
-serves both runs: process start-up is most of this test's time."""
+serves both runs: process start-up is most of this test's time. So does a run of two workers pushing onebit
+payloads, whose replay starts from the residuals each worker kept at the snapshot's step."""
 
 from __future__ import annotations
 
