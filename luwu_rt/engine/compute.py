@@ -33,13 +33,20 @@ saves its weight), and those are views of the device arena: between F(k) and
 B(k) the plan may free unit k's parameter slot and load another unit into the
 same bytes. Arena views have their own version counters (store/arena.py), so
 autograd would not notice and B(k) would compute with another unit's weights.
-So while a kept unit's forward runs, a ``saved_tensors_hooks`` pack hook copies
-every saved tensor that aliases the device arena, once, at pack time: the
-graph then owns its bytes and the arena is free to reuse the slot. Only what
-autograd actually saves is copied (under bf16 autocast the weights it saves are
-already casts, so nothing is), and only for the forwards whose parameter copies
-are at risk (``plan.analysis.params_at_risk``). The cost of kept graphs is
-memory outside the arenas; ``kept_bytes`` in the step metrics reports it.
+So while a kept unit's forward runs, a ``saved_tensors_hooks`` pack hook looks
+at every saved tensor that aliases the device arena, for the forwards whose
+parameter copies are at risk (``plan.analysis.params_at_risk``; under bf16
+autocast the weights autograd saves are already casts, so none does). A
+parameter, or a view of one (a ``linear`` saves ``weight.t()``), is kept as
+where it lies in that parameter (``_Rebound``) and read again in B(k), where
+the plan has the unit's parameters resident once more, bound to their copies
+of then: the same values, wherever the slot is (B(k) reads every unit F(k)
+read, and no update of them falls between). A copy of the parameters in every
+kept graph had cost zero3 of gpt-small 112 MiB per rank beside the arena that
+gathers them again for B. Any other saved tensor aliasing the arena is copied,
+once, at pack time: the graph then owns its bytes and the arena is free to
+reuse the slot. The cost of kept graphs is memory outside the arenas;
+``kept_bytes`` in the step metrics reports it.
 
 [Note: dropout is drawn by step]
 A training pass runs every unit in train mode and an evaluation pass in eval
@@ -291,16 +298,20 @@ class UnitCompute:
                 self.carry[mb] = self.chain.run(k, x, self.ctx[mb])
 
     def _forward_kept(self, mb: int, k: int, x: torch.Tensor) -> None:
-        """F(k) with grad, keeping the graph; saved tensors aliasing the arena are copied once."""
+        """F(k) with grad, keeping the graph; saved tensors aliasing the arena are read again in B(k) where they
+        are parameters, else copied once ([Note: kept graphs in the engine])."""
         copies: dict[tuple, torch.Tensor] = {}
         counted = self._counted[mb]
         snapshot = self._at_risk is None or (mb, k) in self._at_risk
+        params = [p for unit in (k, *self.chain.reads(k)) for p in self.chain.own_params(unit)]
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> torch.Tensor | _Rebound:
             ptr = t.untyped_storage().data_ptr()
             if ptr == self._arena_ptr:
                 if not snapshot:
                     return t  # the arena's bytes, not held by the graph
+                if (rebound := _Rebound.of(t, params)) is not None:
+                    return rebound  # read again in B(k), from the parameter's copy of then
                 key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
                 if key not in copies:
                     copies[key] = t.detach().clone(memory_format=torch.preserve_format)
@@ -313,7 +324,7 @@ class UnitCompute:
             return t
 
         x_in = _as_unit_input(x, k)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+        with torch.autograd.graph.saved_tensors_hooks(pack, _Rebound.unpack), torch.enable_grad(), \
                 _autocast(x.device, self.config):
             y = self.chain.run(k, x_in, self.ctx[mb])
         self.graphs[mb][k] = (x_in, y)
@@ -337,6 +348,36 @@ class UnitCompute:
         if loss is not None:
             self.losses[mb] = loss
         return grads
+
+
+class _Rebound:
+    """A saved tensor that is a unit's parameter or a view of one, kept as where it lies in the parameter and read
+    again when backward unpacks it, from whatever copy the parameter is bound to then ([Note: kept graphs in the
+    engine])."""
+
+    __slots__ = ("param", "offset", "size", "stride")
+
+    def __init__(self, param: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.param, self.offset, self.size, self.stride = param, offset, size, stride
+
+    @classmethod
+    def of(cls, t: torch.Tensor, params: list[torch.Tensor]) -> "_Rebound | None":
+        """``t`` as a place in one of ``params`` (of its dtype, every element it spans inside it), or ``None``."""
+        span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        for p in params:
+            if p.dtype != t.dtype or p.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                continue
+            offset = t.storage_offset() - p.storage_offset()
+            if 0 <= offset and offset + span < p.numel() and p.is_contiguous():
+                return cls(p, offset, tuple(t.shape), t.stride())
+        return None
+
+    @staticmethod
+    def unpack(t: "torch.Tensor | _Rebound") -> torch.Tensor:
+        if not isinstance(t, _Rebound):
+            return t
+        base = t.param.detach()
+        return base.as_strided(t.size, t.stride, base.storage_offset() + t.offset)
 
 
 def _full(views: Views, unit: int, kind: str) -> torch.Tensor:

@@ -32,13 +32,14 @@ whole step:
 
 Parameters and buffers are the model's own bytes (the arena's, for
 parameters) and are not counted, except where a kept graph copies the
-parameters it saves ([Note: kept graphs in the engine]): ``UnitCompute``
-copies them only for the forwards ``params_at_risk(plan)`` names, but that is
-a fact of the plan, and the plan depends on this reserve. So by default
-(``snapshot_units=None``) every kept forward is taken to be at risk: the
-reserve then holds for whatever plan comes out, and costs at most one copy of
-the weights the kept units save (nothing when no graph is kept; 3 MiB of
-gpt-tiny's 67 MiB of kept graphs).
+parameters it saves. ``UnitCompute`` copies none now: where the plan may reuse
+their slots before the backward (``params_at_risk(plan)``) it reads them again
+in B from the slots the plan loads them into then ([Note: kept graphs in the
+engine]). By default (``snapshot_units=None``) the estimate still counts one
+copy for every kept forward, as when the engine copied them: the reserve errs
+on the large side by at most the weights the kept units save (nothing when no
+graph is kept; 3 MiB of gpt-tiny's 67 MiB of kept graphs), a budget and not
+memory the run holds; ``snapshot_units=()`` counts what the engine holds.
 
 Why the peak and not a sum of parts: the planner keeps one fixed reserve for
 the whole step, so what must fit is the most that is ever live at once. A sum
