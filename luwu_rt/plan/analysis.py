@@ -10,7 +10,14 @@ from __future__ import annotations
 from .ops import Access, Collective, Compute, Free, Op, SwapPlan
 from .spec import STATE_KINDS
 
-__all__ = ["params_at_risk", "state_bytes", "wire_bytes"]
+__all__ = ["live_bytes", "params_at_risk", "state_bytes", "wire_bytes"]
+
+
+def live_bytes(plan: SwapPlan, tier: str) -> int:
+    """The most bytes of shard copies live at once in ``tier``'s arena (the device's without the activation
+    reserve): the least its arena could be, where ``plan.arena_bytes`` is what its slots span ([Note: arenas no
+    larger than the step needs] in search.py)."""
+    return plan.peak_bytes.get(tier, 0) - (plan.device_reserve_bytes if tier == "device" else 0)
 
 
 def state_bytes(plan: SwapPlan) -> dict[str, int]:

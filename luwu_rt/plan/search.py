@@ -26,6 +26,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .analysis import live_bytes
 from .cost import StepCost, estimate
 from .node import NODE_TIERS, node_lower_bounds, plan_node
 from .ops import SwapPlan
@@ -205,7 +206,7 @@ def snug_arenas(budgets: Budgets, *, plans: Callable[[Budgets], Sequence[SwapPla
     best = tuple(plans(budgets))
     target, peaks = predict(best), dict(best[0].peak_bytes)
     for tier in ("device", "host"):
-        live = max(p.peak_bytes.get(tier, 0) - (p.device_reserve_bytes if tier == "device" else 0) for p in best)
+        live = max(live_bytes(p, tier) for p in best)
         low, high = live, max(p.arena_bytes.get(tier, 0) for p in best)  # low may not plan; high does
         for _ in range(_SNUG_STEPS):
             if high - low <= max(ALIGN_BYTES, live // 64):
