@@ -57,10 +57,11 @@ from .planner import OutOfBudget, budget_message, walk_steps
 from .policy import Policy, as_policy
 # Package-internal helpers of the worker's sequence: one way to cut buffers into shards and to
 # count ring bytes (DESIGN.md style 11).
-from .sequence import NORM_BYTES, Need, Step, _cut, _ring, element_bytes, final_points, home_of
+from .sequence import (NORM_BYTES, Need, Step, _cut, _ring, element_bytes, final_points, home_of, update_pieces,
+                       update_state_needs)
 from .sizes import format_size
 from .spec import (OPTIMIZER_KINDS, PERSISTENT_KINDS, SECOND_HALF, TIERS, Budgets, ModelSpec, Placement, Strategy,
-                   align_up, ceil_div, half_kind)
+                   align_up, ceil_div)
 
 __all__ = ["NODE_TIERS", "node_comm_groups", "node_layout", "node_lower_bounds", "node_steps", "plan_node",
            "push_order"]
@@ -108,8 +109,9 @@ def node_comm_groups(num_shards: int) -> dict[str, str]:
 
 
 def node_steps(model: ModelSpec, layout: dict[ShardId, ShardInfo], *, num_workers: int,
-               num_shards: int = 1) -> list[Step]:
-    """The node's logical ops of one step, in order ([Note: the node's step])."""
+               num_shards: int = 1, streamed: bool = False) -> list[Step]:
+    """The node's logical ops of one step, in order ([Note: the node's step]); ``streamed``: the optimizer
+    state streams from NVMe, and each update runs in pieces ([Note: an update in pieces] in sequence.py)."""
     shards_of: dict[tuple[int, str], list[ShardId]] = {}
     for sid in layout:
         shards_of.setdefault((sid.unit, sid.state), []).append(sid)
@@ -125,13 +127,6 @@ def node_steps(model: ModelSpec, layout: dict[ShardId, ShardInfo], *, num_worker
                       group_size=num_workers, comm_bytes=num_workers * numel(u) * elem_bytes)
         return Step(op_type, "push" if op_type is Recv else "pull", fields, state_needs)
 
-    def state(u: int) -> tuple[Need, ...]:  # in place, or from the current half into the other
-        if not model.double_buffer:
-            return tuple(n for s in OPTIMIZER_KINDS for n in needs(u, s, "rw"))
-        pairs = [(half_kind(s, model.state_half), half_kind(s, 1 - model.state_half)) for s in OPTIMIZER_KINDS]
-        return tuple(n for a, b in pairs for x, y in zip(shards_of[(u, a)], shards_of[(u, b)], strict=True)
-                     for n in (Need(x, "host", "r"), Need(y, "host", "w", into=x)))
-
     clip = model.optimizer_waits_for_backward
     speculate = model.double_buffer and not clip
     order = push_order(model)
@@ -141,11 +136,14 @@ def node_steps(model: ModelSpec, layout: dict[ShardId, ShardInfo], *, num_worker
         steps.append(transfer(Recv, u, model.grad_bytes, needs(u, "grad", "w")))
         steps.append(Step(GradNorm, "optim", dict(unit=u, num_params=numel(u), tier="host"),
                           needs(u, "grad", "r") + needs(u, "norm", "w")))
-        update = needs(u, "grad", "r") + state(u)
-        update += needs(u, "param", "w") + (needs(GLOBAL_UNIT, "norm", "r") if clip else ())
+        norm = needs(GLOBAL_UNIT, "norm", "r") if clip else ()
+        for piece in update_pieces(model, layout, shards_of, u, ("grad", "param"), streamed=streamed):
+            update = tuple(Need(s, "host", "r") for s in piece["grad"]) + update_state_needs(model, piece, "host")
+            update += tuple(Need(s, "host", "w") for s in piece["param"]) + norm
+            num_params = sum(layout[s].numel for s in piece["master"])
+            (updates if clip else steps).append(Step(OptimStep, "optim", dict(unit=u, num_params=num_params,
+                                                                              tier="host"), update))
         serve = needs(u, "param", "r") + (needs(GLOBAL_UNIT, "norm", "r") if speculate else ())
-        step = Step(OptimStep, "optim", dict(unit=u, num_params=numel(u), tier="host"), update)
-        (updates if clip else steps).append(step)
         (updates if clip or speculate else steps).append(transfer(Serve, u, model.param_bytes, serve))
     norms = tuple(n for u in order for n in needs(u, "norm", "r")) + needs(GLOBAL_UNIT, "norm", "w")
     across = num_shards > 1
@@ -180,7 +178,7 @@ def node_lower_bounds(model: ModelSpec, *, placement: Placement, num_shards: int
     (at least one staged shard when params or grads live on NVMe). The planner may need a little
     more (fragmentation)."""
     layout = node_layout(model, num_shards=num_shards)
-    steps = node_steps(model, layout, num_workers=1, num_shards=num_shards)
+    steps = node_steps(model, layout, num_workers=1, num_shards=num_shards, streamed=placement.optimizer == "nvme")
     home = {s: home_of(s.state, placement) for s in layout}
     span: dict[ShardId, list[int]] = {}
     for pos, step in enumerate(steps):
@@ -214,7 +212,8 @@ def plan_node(model: ModelSpec, *, budgets: Budgets, placement: Placement, num_w
         raise ValueError(f"an optimizer node has no device tier: give it device_bytes=0, not "
                          f"{format_size(budgets.device_bytes)}")
     layout = node_layout(model, shard_index=shard_index, num_shards=num_shards)
-    steps = node_steps(model, layout, num_workers=num_workers, num_shards=num_shards)
+    steps = node_steps(model, layout, num_workers=num_workers, num_shards=num_shards,
+                       streamed=placement.optimizer == "nvme")
     try:
         return walk_steps(steps, layout, model=_node_model(model), budgets=budgets, placement=placement,
                           strategy=Strategy(name="node", world_size=num_workers), policy=policy,

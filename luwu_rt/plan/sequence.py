@@ -68,6 +68,21 @@ otherwise the step is redone from the untouched half with the true factor
 names swapped (``halves.mirror``). Only optimizer state on NVMe is
 double-buffered: there the second half costs disk space only, where in memory
 it would cost a second copy of the state.
+
+[Note: an update in pieces]
+AdamW is elementwise, so a unit's update may run as several ``OptimStep`` ops,
+each over whole shards that cover one run of its elements in every kind it
+reads and writes (the gradient, the three states, the compute copy; cut where
+all their chunk boundaries meet: at 16 MiB chunks, every 8 Mi elements for a
+bf16 copy beside fp32 state). Where the state streams from NVMe this turns a
+unit's read, update and write into a pipeline: a piece's write-back starts as
+soon as its own loads are updated, and its staging slots then take the next
+loads, where one op per unit left the disk idle while a whole unit's state was
+updated and wrote nothing until all of it was read (an AdamW step over 256M
+parameters with its state on NVMe: 16 units of 192 MB staged, the read queue
+idle 15-20 ms and the write queue 35-45 ms around each update). Where the state
+stays resident the update stays one op: pieces would only add per-op cost.
+The values are the same: the fused kernel runs per shard run either way.
 """
 
 from __future__ import annotations
@@ -458,39 +473,40 @@ class _Sequence:
                         self.needs((u,), "param", "host", "w"), after=(self.pushes[u],))
 
     def optimizer(self, u: int) -> None:
-        """The update of this rank's part of unit ``u``; zero1/2 then gather the full parameters."""
+        """The update of this rank's part of unit ``u``, in pieces where its state streams from NVMe ([Note: an
+        update in pieces]); zero1/2 then gather the full parameters."""
         tier, waits = self.optim_tier, self.model.optimizer_waits_for_backward
-        needs = self.needs((u,), self.gkind, tier, "r")
-        needs += self.state_needs(u)
-        needs += self.needs((u,), self.pkind, tier, "w")
-        if waits and _tracks_norm(self.model, self.strategy):
-            needs += self.needs((GLOBAL_UNIT,), "norm", tier, "r")  # [Note: clipping] in exec/step.py
-        self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.elements(u, "master"), tier=tier), needs)
+        norm = self.needs((GLOBAL_UNIT,), "norm", tier, "r") \
+            if waits and _tracks_norm(self.model, self.strategy) else ()  # [Note: clipping] in exec/step.py
+        for piece in self.update_pieces(u, (self.gkind, self.pkind)):
+            needs = tuple(Need(s, tier, "r") for s in piece[self.gkind])
+            needs += self.state_needs(piece)
+            needs += tuple(Need(s, tier, "w") for s in piece[self.pkind])
+            self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.numel(piece["master"]), tier=tier),
+                     needs + norm)
         if self.pkind == "param_slice":
             self.collective(Gather, "gather", u, "all_gather", self.full_bytes(u, "param"),
                             self.needs((u,), "param_slice", "device", "r") + self.needs((u,), "param", "device", "w"))
 
-    def state_needs(self, u: int) -> tuple[Need, ...]:
-        """The optimizer state an update of ``u`` reads and writes: in place, or from the current half into the
-        other one, taking over the staging copies ([Note: speculative updates])."""
-        tier = self.optim_tier
-        if not self.model.double_buffer:
-            return tuple(n for s in OPTIMIZER_KINDS for n in self.needs((u,), s, tier, "rw"))
-        out: tuple[Need, ...] = ()
-        half = self.model.state_half
-        for state in OPTIMIZER_KINDS:
-            old, new = half_kind(state, half), half_kind(state, 1 - half)
-            for a, b in zip(self.shards_of[(u, old)], self.shards_of[(u, new)], strict=True):
-                out += (Need(a, tier, "r"), Need(b, tier, "w", into=a))
-        return out
+    def update_pieces(self, u: int, kinds: tuple[str, ...]) -> list[dict[str, list[ShardId]]]:
+        return update_pieces(self.model, self.layout, self.shards_of, u, kinds,
+                             streamed=self.placement.optimizer == "nvme")
+
+    def numel(self, sids: list[ShardId]) -> int:
+        return sum(self.layout[s].numel for s in sids)
+
+    def state_needs(self, piece: dict[str, list[ShardId]]) -> tuple[Need, ...]:
+        return update_state_needs(self.model, piece, self.optim_tier)
 
     def restore(self, u: int) -> None:
         """The compute copy of ``u``'s parameters from the current half of its master weights (what they were
         before a speculative update overwrote them); zero1/2 then gather them."""
         tier = self.optim_tier
-        master = half_kind("master", self.model.state_half)
-        needs = self.needs((u,), master, tier, "r") + self.needs((u,), self.pkind, tier, "w")
-        self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.elements(u, "master"), tier=tier), needs)
+        for piece in self.update_pieces(u, (self.pkind,)):
+            needs = tuple(Need(s, tier, "r") for s in piece["master"])
+            needs += tuple(Need(s, tier, "w") for s in piece[self.pkind])
+            self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.numel(piece["master"]), tier=tier),
+                     needs)
         if self.pkind == "param_slice":
             self.collective(Gather, "gather", u, "all_gather", self.full_bytes(u, "param"),
                             self.needs((u,), "param_slice", "device", "r") + self.needs((u,), "param", "device", "w"))
@@ -503,6 +519,39 @@ class _Sequence:
         needs = (self.needs(units, "norm", self.optim_tier, "r")
                  + self.needs((GLOBAL_UNIT,), "norm", self.optim_tier, "w"))
         self.collective(NormReduce, "reduce", GLOBAL_UNIT, "all_reduce" if sliced else "local", NORM_BYTES, needs)
+
+
+def update_pieces(model: ModelSpec, layout: dict[ShardId, ShardInfo], shards_of: dict[tuple[int, str], list[ShardId]],
+                  u: int, kinds: tuple[str, ...], *, streamed: bool) -> list[dict[str, list[ShardId]]]:
+    """Unit ``u``'s update as pieces ([Note: an update in pieces]): each maps ``kinds`` and the optimizer's state
+    kinds (by their names, ``master``...: the shards of the half the update reads under double buffering) to
+    whole shards covering one run of elements. One piece unless the state is ``streamed`` from NVMe."""
+    half = model.state_half if model.double_buffer else 0
+    shards = {k: shards_of[(u, k)] for k in kinds} | {k: shards_of[(u, half_kind(k, half))] for k in OPTIMIZER_KINDS}
+    if not streamed:
+        return [shards]
+    starts: dict[str, list[int]] = {}
+    for kind, sids in shards.items():
+        pos, starts[kind] = 0, []
+        for sid in sids:
+            starts[kind].append(pos)
+            pos += layout[sid].numel
+        starts[kind].append(pos)
+    if len({run[-1] for run in starts.values()}) != 1:
+        return [shards]  # kinds of different lengths (none today): one piece
+    cuts = sorted(set.intersection(*(set(run) for run in starts.values())))
+    return [{kind: [sid for sid, at in zip(sids, starts[kind]) if a <= at < b] for kind, sids in shards.items()}
+            for a, b in zip(cuts, cuts[1:])]
+
+
+def update_state_needs(model: ModelSpec, piece: dict[str, list[ShardId]], tier: str) -> tuple[Need, ...]:
+    """The optimizer state an update of ``piece`` reads and writes: in place, or from the current half into the
+    other one, taking over the staging copies ([Note: speculative updates])."""
+    if not model.double_buffer:
+        return tuple(Need(s, tier, "rw") for state in OPTIMIZER_KINDS for s in piece[state])
+    other = 1 - model.state_half
+    return tuple(n for state in OPTIMIZER_KINDS for a in piece[state]
+                 for n in (Need(a, tier, "r"), Need(a._replace(state=half_kind(state, other)), tier, "w", into=a)))
 
 
 def check_double_buffer(model: ModelSpec, strategy: Strategy, placement: Placement) -> None:

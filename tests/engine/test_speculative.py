@@ -202,5 +202,8 @@ def test_the_double_buffered_plans_move_the_bytes_of_an_update_in_place() -> Non
     nvme = {name: estimate(p, profile).io_bytes["nvme"]
             for name, p in (("in place", in_place), ("speculate", speculate))}
     assert nvme["in place"] == nvme["speculate"]
-    assert sum(1 for op in speculate.ops if op.consumes) == len(model.units)
+    # Every update (in pieces: [Note: an update in pieces] in plan/sequence.py) takes over its staging copies.
+    takers = [op for op in speculate.ops if op.consumes]
+    assert {type(op).__name__ for op in takers} == {"OptimStep"} and len(takers) == speculate.count("OptimStep")
+    assert {op.unit for op in takers} == set(range(len(model.units)))
     assert estimate(speculate, profile).predicted_step_s <= estimate(waits, profile).predicted_step_s

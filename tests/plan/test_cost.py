@@ -8,7 +8,7 @@ import pytest
 
 from luwu_rt.models.presets import get_preset
 from luwu_rt.plan import (GLOBAL_UNIT, Access, Budgets, Compute, Free, Gather, HardwareProfile, Load, NormReduce,
-                          Placement, Pull, Push, Recv, Reduce, Serve, Store, Strategy, SwapPlan, Wait,
+                          OptimStep, Placement, Pull, Push, Recv, Reduce, Serve, Store, Strategy, SwapPlan, Wait,
                           collective_seconds, estimate, gpt_model_spec, op_seconds, op_times, plan_node, plan_step,
                           validate)
 
@@ -103,7 +103,10 @@ def test_optimizer_only_plan_streams_state_once_and_overlaps_reads_with_writes()
     host = 2 * lower_bounds(model, placement=placement, strategy=Strategy())["host"]
     plan = plan_step(model, budgets=Budgets(device_bytes=0, host_bytes=host), placement=placement)
     validate(plan)
-    assert plan.count("OptimStep") == 6 and plan.count("Compute") == 0
+    # [Note: an update in pieces]: a unit of 4 chunks updates in 4 ops, one chunk of every kind each.
+    updates = [op for op in plan.ops if isinstance(op, OptimStep)]
+    assert len(updates) == 6 * 4 and plan.count("Compute") == 0
+    assert sum(op.num_params for op in updates) == 6 * numel
     cost = estimate(plan, PROFILE)
     state = 6 * 4 * numel
     # grad+master+moments in; params+master+moments out

@@ -54,9 +54,15 @@ def test_node_plans_validate(placement, shards, clip):
         validate(plan)
         num_units = len(model.units)
         assert plan.role == "node" and plan.strategy == Strategy(name="node", world_size=4)
-        assert {k: plan.count(k) for k in ("Recv", "Serve", "OptimStep", "GradNorm", "NormReduce", "Compute")} == \
-            {"Recv": num_units, "Serve": num_units, "OptimStep": num_units, "GradNorm": num_units, "NormReduce": 1,
-             "Compute": 0}
+        assert {k: plan.count(k) for k in ("Recv", "Serve", "GradNorm", "NormReduce", "Compute")} == \
+            {"Recv": num_units, "Serve": num_units, "GradNorm": num_units, "NormReduce": 1, "Compute": 0}
+        # Each unit's update is one op, or pieces of it where the state streams from NVMe ([Note: an update in
+        # pieces] in plan/sequence.py), which cover its elements once.
+        updates = [op for op in plan.ops if isinstance(op, OptimStep)]
+        assert (len(updates) > num_units) == (placement.optimizer == "nvme")
+        for u in range(num_units):
+            mine = sum(i.numel for s, i in plan.shards.items() if s.unit == u and s.state == "master")
+            assert sum(op.num_params for op in updates if op.unit == u) == mine
         # No device tier: nothing is ever placed there.
         assert plan.peak_bytes["device"] == 0 and plan.arena_bytes["device"] == 0
         assert all(a.tier != "device" for op in plan.ops for a in op.inputs + op.outputs)
@@ -103,7 +109,8 @@ def test_units_are_received_updated_and_served_in_push_order(clip):
     node = roomy_node(model, PLACEMENTS[1])
     validate(node)
     assert units_of(node, Recv) == units_of(node, GradNorm) == order
-    assert units_of(node, OptimStep) == units_of(node, Serve) == order
+    # The state on NVMe here: each unit's update in pieces ([Note: an update in pieces] in plan/sequence.py).
+    assert list(dict.fromkeys(units_of(node, OptimStep))) == units_of(node, Serve) == order
     worker = plan_step(model, budgets=Budgets(device_bytes=1 << 30, host_bytes=1 << 30), placement=PLACEMENTS[0],
                        strategy=Strategy(name="node", world_size=4))
     assert units_of(worker, Push) == order  # both sides of the group issue their transfers in one sequence
