@@ -245,7 +245,7 @@ def _p5_report(args, per_round, losses, contestants, unavailable, tokens, load_b
 def _raw_io_seconds(directory: str, *, read_bytes: int, write_bytes: int) -> float:
     """Seconds for the IO engine to read ``read_bytes`` while writing ``write_bytes`` on this disk, nothing
     else running: timed on at most 1 GiB of reads with the same read/write mix, scaled linearly."""
-    from luwu_rt.cli.bench_offload import _raw_io_seconds as timed_mix
+    from luwu_rt.cli.probes import mixed_io_seconds as timed_mix
 
     scale = max(read_bytes, write_bytes) / (1 << 30)
     scale = max(scale, 1.0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -66,15 +65,20 @@ def _model_spec(num_params: int, unit_params: int, chunk_bytes: int):
 
 
 def _measure_profile(directory: str, *, state_bytes: int, block_bytes: int, queue_depth: int):
-    """Disk, copy and optimizer speeds of this machine, measured now."""
+    """Disk, copy and optimizer speeds of this machine, measured now; the disk's ``nvme_overlap`` from the same
+    bytes read and written at once ([Note: one disk] in plan/cost.py)."""
     import torch
 
     from luwu_rt.cli.bench_io import measure
+    from luwu_rt.cli.probes import disk_overlap, mixed_io_seconds
     from luwu_rt.kernels import adamw_step
     from luwu_rt.plan import HardwareProfile
 
-    disk = measure(directory, size_bytes=min(state_bytes, 1 << 30) // 4096 * 4096 or 4096,
-                   block_bytes=block_bytes, queue_depth=queue_depth)
+    size = min(state_bytes, 1 << 30) // 4096 * 4096 or 4096
+    disk = measure(directory, size_bytes=size, block_bytes=block_bytes, queue_depth=queue_depth)
+    both_s = mixed_io_seconds(directory, read_bytes=size, write_bytes=size, block_bytes=block_bytes,
+                              queue_depth=queue_depth)
+    overlap = disk_overlap(size / (disk.read_gbps * 1e9), size / (disk.write_gbps * 1e9), both_s)
     a, b = torch.empty(32 << 20, dtype=torch.uint8), torch.ones(32 << 20, dtype=torch.uint8)
     start = time.perf_counter()
     a.copy_(b)
@@ -86,33 +90,8 @@ def _measure_profile(directory: str, *, state_bytes: int, block_bytes: int, queu
     adamw_step(p, g, m, v, step=2, lr=1e-3)
     optim_rate = n / (time.perf_counter() - start)
     return disk, HardwareProfile(nvme_read_gbps=disk.read_gbps, nvme_write_gbps=disk.write_gbps,
-                                 h2d_gbps=copy_gbps, d2h_gbps=copy_gbps, host_optim_params_per_s=optim_rate)
-
-
-def _raw_io_seconds(directory: str, *, read_bytes: int, write_bytes: int, block_bytes: int, queue_depth: int) -> float:
-    """Seconds to read ``read_bytes`` from one file while overwriting ``write_bytes`` of another.
-
-    Both files are written whole before the clock starts: the store overwrites its swap files in place, and
-    writes that extend a file cost ext4 block allocation (measured 1.25x the overwrite of the same GiB here),
-    which would flatter every ratio to this bound."""
-    from luwu_rt.io import IOEngine, aligned_empty
-
-    src, dst = os.path.join(directory, "raw-read.bin"), os.path.join(directory, "raw-write.bin")
-    rbuf, wbuf = aligned_empty(read_bytes), aligned_empty(write_bytes)
-    wbuf.fill_(7)
-    with IOEngine(block_bytes=block_bytes, queue_depth=queue_depth) as engine:
-        try:
-            engine.write(src, offset=0, buffer=rbuf)  # the file to read back; not timed
-            engine.write(dst, offset=0, buffer=wbuf)  # allocated, as the store's files are; not timed
-            start = time.perf_counter()
-            tickets = [engine.submit_read(src, offset=0, buffer=rbuf), engine.submit_write(dst, offset=0, buffer=wbuf)]
-            for t in tickets:
-                engine.wait(t)
-            return time.perf_counter() - start
-        finally:
-            for path in (src, dst):
-                engine.forget(path)
-                os.unlink(path)
+                                 nvme_overlap=overlap, h2d_gbps=copy_gbps, d2h_gbps=copy_gbps,
+                                 host_optim_params_per_s=optim_rate)
 
 
 def _host_too_small(model, budgets, placement, args: argparse.Namespace) -> str:
@@ -157,6 +136,7 @@ def _measure(args: argparse.Namespace, *, model, plan, num_params: int, chunk_by
     """Runs the plan's steps over a fresh NVMe tier in ``--nvme-dir`` and prints them beside the IO bound."""
     import torch
 
+    from luwu_rt.cli.probes import mixed_io_seconds
     from luwu_rt.exec import AdamWHandler, Executor, write_chrome_trace
     from luwu_rt.io import IOEngine
     from luwu_rt.plan import estimate
@@ -202,7 +182,7 @@ def _measure(args: argparse.Namespace, *, model, plan, num_params: int, chunk_by
         write_chrome_trace(spans, args.trace)
 
     nvme_io = cost.io_bytes["nvme"]
-    io_bound_s = _raw_io_seconds(args.nvme_dir, read_bytes=nvme_io["read"], write_bytes=nvme_io["write"],
+    io_bound_s = mixed_io_seconds(args.nvme_dir, read_bytes=nvme_io["read"], write_bytes=nvme_io["write"],
                                  block_bytes=args.block_kb << 10, queue_depth=args.queue_depth)
     step_s = statistics.median(times[1:] or times)  # in steady state: the first step starts cold
     result = {

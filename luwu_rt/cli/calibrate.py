@@ -5,10 +5,11 @@ NVMe read, write and mixed bandwidth on ``--nvme-dir``'s disk (block size and qu
 kept); host <-> device copies; the fused optimizer; the compute rate of a model's units as the engine runs
 them; gloo collectives between two local ranks (latency and bandwidth); the node protocol over ZeroMQ; host
 memory bandwidth; the gradient codecs' encode and decode (on one rank's share of the cores); and how the
-queues that share the host's cores slow each other (``cpu_overlap``). On one machine the optimizer node's
-figures are the host's own. The profile goes to this machine's cache, where ``luwu plan``, ``luwu train``
-and ``--strategy auto`` find it by default ([Note: which profile] in engine/hwprofile.py), and to
-``--out FILE``. Its notes (``_machine``, ``_measured``) say what was measured, where, and under what load.
+queues that share the host's cores slow each other (``cpu_overlap``), as the disk's reads and writes do
+(``nvme_overlap``). On one machine the optimizer node's figures are the host's own. The profile goes to this
+machine's cache, where ``luwu plan``, ``luwu train`` and ``--strategy auto`` find it by default ([Note: which
+profile] in engine/hwprofile.py), and to ``--out FILE``. Its notes (``_machine``, ``_measured``) say what was
+measured, where, and under what load.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         # The optimizer node of a local run is a process of this machine: its figures are the host's.
         "node_gbps": zmq_gbps, "node_latency_s": zmq_latency, "node_optim_params_per_s": host_optim,
         "node_mem_gbps": mem, "node_nvme_read_gbps": disk["read_gbps"], "node_nvme_write_gbps": disk["write_gbps"],
-        "cpu_overlap": shared["cpu_overlap"],
+        "cpu_overlap": shared["cpu_overlap"], "nvme_overlap": disk["overlap"],
         **codecs,
         "shard_collective_factor": max(1.0, net_gbps * (1 / coll["gbps"]["reduce_scatter"]
                                                         + 1 / coll["gbps"]["all_gather"]) / 2),

@@ -318,6 +318,11 @@ class HardwareProfile:
     1 (the default) fully, as if each had cores of its own; 0 not at all, and a step then takes at least their
     sum ([Note: shared cores] in cost.py). ``luwu calibrate`` measures it: a matmul, the fused optimizer and a
     copy run together against the three alone."""
+    nvme_overlap: float = 0.0
+    """How much of the shorter direction's time hides behind the longer one when the disk reads and writes at
+    once, 0 to 1: 0 (the default) none, the two take their sum ([Note: one disk] in cost.py); 1 fully, as if
+    each had a disk of its own. ``luwu calibrate`` measures it: a read and a write at once against each
+    alone."""
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -131,6 +131,35 @@ def test_reads_and_writes_share_one_disk():
     assert cost.predicted_step_s == pytest.approx(disk_s) and cost.bottleneck == "nvme"
 
 
+@pytest.mark.parametrize("overlap", [0.0, 0.37, 1.0])
+def test_a_disk_that_reads_and_writes_at_once_hides_part_of_the_shorter_direction(overlap):
+    """[Note: one disk] with ``nvme_overlap``: the disk bound is the sum less that share of the shorter queue's
+    busy time; with full overlap no bound beyond the queues themselves."""
+    from luwu_rt.plan import ModelSpec, UnitSpec
+
+    model = ModelSpec(units=tuple(UnitSpec(name=f"u{i}", num_params=2**20) for i in range(6)), param_bytes=4,
+                      grad_bytes=4, chunk_bytes=2**20, optimizer_only=True)
+    plan = plan_step(model, budgets=Budgets(device_bytes=0, host_bytes=2**30),
+                     placement=Placement(params="nvme", optimizer="nvme", grads="nvme"))
+    profile = HardwareProfile(nvme_read_gbps=0.5, nvme_write_gbps=0.4, host_optim_params_per_s=1e12,
+                              nvme_overlap=overlap)
+    cost = estimate(plan, profile)
+    read_s, write_s = cost.busy_s["nvme_read"], cost.busy_s["nvme_write"]
+    bound = read_s + write_s - overlap * min(read_s, write_s)
+    if overlap < 1.0:
+        assert cost.predicted_step_s == pytest.approx(bound) and cost.bottleneck == "nvme"
+    else:  # the queues' own critical path, at least the busier queue
+        assert max(read_s, write_s) <= cost.predicted_step_s < read_s + write_s and cost.bottleneck != "nvme"
+
+
+def test_disk_overlap_from_a_read_and_a_write_alone_and_at_once():
+    from luwu_rt.cli.probes import disk_overlap
+
+    assert disk_overlap(1.10, 0.93, 1.69) == pytest.approx(0.34 / 0.93)
+    assert disk_overlap(1.0, 1.0, 2.2) == 0.0 and disk_overlap(1.0, 1.0, 0.9) == 1.0  # clamped
+    assert disk_overlap(1.0, 0.0, 1.0) == 0.0
+
+
 # -- collectives: [Note: collective cost] ---------------------------------------------------------------
 
 
