@@ -73,7 +73,7 @@ void bind_io(py::module_& m) {
               py::gil_scoped_release release;
               r = e.wait(ticket);
             }
-            return py::make_tuple(r.err, r.msg);
+            return py::make_tuple(r.err, r.msg, r.done_s);
           },
           py::arg("ticket"))
       .def("done", &Engine::done, py::arg("ticket"))

@@ -90,6 +90,9 @@ std::unique_ptr<Lane> make_thread_lane(Engine* engine, unsigned queue_depth, uin
 struct WaitResult {
   int err = 0;
   std::string msg;
+  // When the request completed (its last piece), on std::chrono::steady_clock in seconds: a waiter that comes
+  // late still learns when the transfer itself ended ([Note: when a transfer ended] in engine.cpp).
+  double done_s = 0.0;
 };
 
 class Engine {
@@ -128,6 +131,7 @@ class Engine {
     std::shared_ptr<Request> req;
     bool done = false;
     bool waited = false;
+    double done_s = 0.0;
   };
   std::unordered_map<uint64_t, Slot> tickets_;
   uint64_t next_id_ = 1;

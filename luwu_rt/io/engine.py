@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,11 @@ _REJECTED_DTYPES = frozenset({torch.bool, torch.qint8, torch.quint8, torch.qint3
 _log = logging.getLogger(__name__)
 
 PathOrFd = str | os.PathLike | int
+
+
+_PERF_MINUS_STEADY = time.perf_counter() - time.monotonic()
+"""The engine stamps completions on C++'s steady clock, which is ``time.monotonic``'s (CLOCK_MONOTONIC on Linux,
+as is ``perf_counter``: 0 there, give or take the microsecond between the two reads)."""
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -175,18 +181,20 @@ class IOEngine:
         self._tickets[ticket_id] = ticket
         return ticket
 
-    def wait(self, ticket: IOTicket) -> None:
-        """Blocks until ``ticket`` completes (the GIL is released meanwhile);
-        raises ``OSError(errno, message, path)`` if it failed."""
+    def wait(self, ticket: IOTicket) -> float:
+        """Blocks until ``ticket`` completes (the GIL is released meanwhile) and returns when the transfer
+        ended, on ``time.perf_counter``'s clock, however long before this call that was ([Note: when a transfer
+        ended] in csrc/io/engine.cpp); raises ``OSError(errno, message, path)`` if it failed."""
         native = self._native()
         if not isinstance(ticket, IOTicket) or self._tickets.get(ticket.id) is not ticket:
             raise ValueError(f"wait: {ticket!r} is not a pending ticket of this engine (already waited for?)")
-        err, msg = native.wait(ticket.id)
+        err, msg, done_s = native.wait(ticket.id)
         if err == -1:  # another thread is waiting for it or already did
             raise ValueError(f"wait: {ticket!r} is already being waited for by another thread")
         self._tickets.pop(ticket.id, None)
         if err != 0:
             raise OSError(err, msg, ticket.path)
+        return done_s + _PERF_MINUS_STEADY
 
     def done(self, ticket: IOTicket) -> bool:
         """True once ``ticket`` has completed (successfully or not); never blocks."""

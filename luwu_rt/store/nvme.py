@@ -201,18 +201,18 @@ class NvmeTier:
         ticket = self.engine.submit_read(region.path, offset=offset, buffer=buffer)
         return NvmeRequest(ticket, unit, state, first_chunk)
 
-    def wait(self, request: NvmeRequest) -> None:
-        """Completes ``request``; a read whose data does not match its checksum raises ``OSError(EIO)``
-        naming the file and the chunk."""
+    def wait(self, request: NvmeRequest) -> float:
+        """Completes ``request`` and returns when its transfer ended (``IOEngine.wait``); a read whose data does
+        not match its checksum raises ``OSError(EIO)`` naming the file and the chunk."""
         from luwu_rt import _C
 
-        self.engine.wait(request.ticket)
+        ended = self.engine.wait(request.ticket)
         crcs = self._crcs[(request.unit, request.state)]
         if request.ticket.op == "write":
             crcs[request.first_chunk : request.first_chunk + len(request.crcs)] = request.crcs
-            return
+            return ended
         if not self.verify_reads:
-            return
+            return ended
         for i, view in enumerate(self._chunk_views(request.ticket.buffer)):
             chunk = request.first_chunk + i
             if _C.crc32c(view.numpy()) != crcs[chunk]:
@@ -222,6 +222,7 @@ class NvmeTier:
                     f"(file offset {request.ticket.offset + i * self.chunk_bytes}); the file is corrupt",
                     str(self._regions[(request.unit, request.state)].path),
                 )
+        return ended
 
     def flush(self) -> None:
         """Makes every completed write durable and records its checksum in the manifest atomically."""

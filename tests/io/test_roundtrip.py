@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -163,3 +164,19 @@ def test_many_threads_share_one_engine(engine, tmp_path, random_bytes):
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         assert all(pool.map(worker, range(4)))
+
+
+def test_a_late_wait_returns_when_the_transfer_ended(engine, tmp_path, random_bytes):
+    """[Note: when a transfer ended] (csrc/io/engine.cpp): the time a transfer ended, on perf_counter's clock,
+    not the time its waiter came."""
+    data = random_bytes(1 << 20)
+    for submit in (lambda: engine.submit_write(tmp_path / "f", offset=0, buffer=data),
+                   lambda: engine.submit_read(tmp_path / "f", offset=0, buffer=data)):
+        submitted = time.perf_counter()
+        ticket = submit()
+        while not engine.done(ticket):
+            time.sleep(0.001)
+        time.sleep(0.2)
+        waited = time.perf_counter()
+        ended = engine.wait(ticket)
+        assert submitted <= ended <= waited - 0.15, (submitted, ended, waited)
