@@ -315,9 +315,26 @@ class NodeProtocol:
                                          unit=msg.unit, chunk=msg.chunk, offset=msg.offset,
                                          epoch=self.epoch))  # the worker's credit back
         if msg.flags & F.LAST:
+            missing = self._init_missing() if self.resumed_from is None else ""
+            if missing:
+                # Served as it stands, a unit without its master would hand the workers parameters nobody sent,
+                # and its pull would wait forever: the run is refused by name instead.
+                self.refuse(identity, f"worker 0's initial state ended (INIT ... LAST) without {missing}: a "
+                                      f"fresh node needs every unit's master weights; restart worker 0")
+                return
             self._init_done = True
             self.progress_at = time.monotonic()
             self._maybe_start()
+
+    def _init_missing(self) -> str:
+        """What of the initial state did not arrive whole: each unit's master (the moments may be left out: a fresh
+        run's are zeros), and no state left part-sent; '' when nothing is missing."""
+        numels = self.runner.numels
+        units = [u for u, n in enumerate(numels) if n and (u, 0) not in self._init_whole and (u, 0) not in self._init]
+        partial = sorted(f"unit {u} {INIT_STATES[s]}" for u, s in self._init)
+        parts = ([f"the master of unit(s) {', '.join(map(str, units[:8]))}{' ...' if len(units) > 8 else ''}"]
+                 if units else []) + ([f"the rest of {', '.join(partial)}"] if partial else [])
+        return " and ".join(parts)
 
     def _staging(self, unit: int) -> tuple[torch.Tensor, Assembly]:
         buf = torch.empty(self.runner.numels[unit], dtype=torch.float32)

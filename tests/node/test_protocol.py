@@ -174,6 +174,38 @@ def test_seeded_fuzz_leaves_the_node_alive_and_unchanged() -> None:
     assert service.runner.pushes.parts[1][1][1].got == {0, 1, 2, 3, 4}
 
 
+@pytest.mark.parametrize("cut", ["unit", "chunk"])
+def test_an_initial_state_without_a_units_master_is_refused_by_name(cut) -> None:
+    """Worker 0's LAST with a unit's master missing (or sent in part) is refused naming it: welcomed, the node
+    would serve parameters nobody sent and the workers' pulls would wait forever. The whole state then joins."""
+    service = NodeService(NodeConfig(num_workers=2, host_mem="16MiB"), run_steps=False, log=lambda line: None)
+    m = manifest()
+    for rank in (0, 1):
+        service.handle(b"w%d" % rank, encode(Message(T.HELLO, rank=rank, dtype=DTYPE_CODES["json"],
+                                                     payload=manifest_bytes(m))))
+    job = job_id(m)
+
+    def init(unit: int, chunks: int | None = None) -> None:
+        data = torch.arange(SIZES[unit], dtype=torch.float32).numpy().tobytes()
+        for off in list(range(0, len(data), CHUNK))[:chunks]:
+            service.handle(b"w0", encode(Message(T.INIT, job=job, rank=0, unit=unit, chunk=0, offset=off,
+                                                 dtype=DTYPE_CODES["float32"], payload=data[off : off + CHUNK])))
+
+    init(0)
+    if cut == "chunk":
+        init(1, chunks=1)
+    service.handle(b"w0", encode(Message(T.INIT, flags=F.LAST, job=job, rank=0)))
+    identity, frames = service.protocol.outbox[-1]
+    reply = decode(frames)
+    text = bytes(reply.payload).decode()
+    assert identity == b"w0" and reply.type == T.ERROR and not service.welcomed
+    assert ("the master of unit(s) 1" in text) == (cut == "unit"), text
+    assert ("the rest of unit 1 master" in text) == (cut == "chunk"), text
+    init(1)
+    service.handle(b"w0", encode(Message(T.INIT, flags=F.LAST, job=job, rank=0)))
+    assert service.welcomed
+
+
 def test_a_hello_that_disagrees_is_refused_naming_the_difference() -> None:
     """The node's log names both values; the peer, unauthenticated without CURVE, hears where its run differs
     and its own value, not the node's ([Note: who may join] in machine.py)."""
