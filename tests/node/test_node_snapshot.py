@@ -44,27 +44,36 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 
         time.sleep(0.05)
 
 
-def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
+def _killed_and_plain(tmp_path: Path, *, workers: int, halt: int, snapshot_step: int, run: dict, steps: int | None,
+                      chaos: tuple[str, str, str], given: tuple[str, ...] = ()) -> dict:
+    """Two node runs side by side, one plain and one killed with SIGKILL after step ``halt`` (its snapshot of
+    ``snapshot_step`` on disk) and restarted on the same snapshot directory; ``workers`` ranks train against both
+    (``run``: the workers' config beside the node address). ``chaos``: the seeds of the first node, the killed
+    run's workers and the restarted node; ``given``: the runs whose batches the workers pass to ``train_step``
+    (``node_jobs.train_metrics``). Returns each rank's metrics per run, with the restarted node's log."""
     ports = {"plain": free_port(), "killed": free_port()}
     logs = {k: tmp_path / f"{k}.log" for k in ports}
-    plain = _node(ports["plain"], tmp_path / "plain", logs["plain"])
-    # The killed run runs in the chaos mode (workers and node), the plain one without: equal all the same.
-    first = _node(ports["killed"], tmp_path / "killed", logs["killed"], **{HALT_ENV: str(HALT_AFTER), CHAOS_ENV: "41"})
+    plain = _node(ports["plain"], tmp_path / "plain", logs["plain"], workers=workers)
+    first = _node(ports["killed"], tmp_path / "killed", logs["killed"], workers=workers,
+                  **{HALT_ENV: str(halt), CHAOS_ENV: chaos[0]})
     procs = [plain, first]
     try:
-        runs = [(k, {"strategy": "node", "node": f"tcp://127.0.0.1:{p}", "timeout": 60}, "43" if k == "killed" else "")
-                for k, p in ports.items()]
+        runs = [(k, {"strategy": "node", "node": f"tcp://127.0.0.1:{p}", "timeout": 60, **run},
+                 chaos[1] if k == "killed" else "") for k, p in ports.items()]
         results: list = []
-        workers = threading.Thread(target=lambda: results.append(run_ranks(node_jobs.train_metrics, WORKERS, runs,
-                                                                           ("killed",))), daemon=True)
-        workers.start()
-        _wait_for(logs["killed"], f"halted after step {HALT_AFTER}", first)
+        extra = () if steps is None else (steps,)
+        ranks = threading.Thread(target=lambda: results.append(run_ranks(node_jobs.train_metrics, workers, runs,
+                                                                         given, *extra)), daemon=True)
+        ranks.start()
+        _wait_for(logs["killed"], f"halted after step {halt}", first)
         first.send_signal(signal.SIGKILL)
         first.wait()
-        assert latest_snapshot(tmp_path / "killed").step == 4
-        second = _node(ports["killed"], tmp_path / "killed", logs["killed"].with_suffix(".2.log"), **{CHAOS_ENV: "47"})
+        assert latest_snapshot(tmp_path / "killed").step == snapshot_step
+        restarted_log = logs["killed"].with_suffix(".2.log")
+        second = _node(ports["killed"], tmp_path / "killed", restarted_log, workers=workers,
+                       **{CHAOS_ENV: chaos[2]})
         procs.append(second)
-        workers.join(240)
+        ranks.join(240)
         assert results, "the workers did not finish"
         assert second.wait(60) == 0 and plain.wait(60) == 0
     finally:
@@ -72,7 +81,15 @@ def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert "resumed run" in logs["killed"].with_suffix(".2.log").read_text()
+    return {"ranks": results[0], "restarted_log": restarted_log.read_text()}
+
+
+def test_a_killed_node_resumes_from_its_snapshot_with_the_same_losses(tmp_path):
+    # The killed run runs in the chaos mode (workers and node), the plain one without: equal all the same.
+    out = _killed_and_plain(tmp_path, workers=WORKERS, halt=HALT_AFTER, snapshot_step=4, run={}, steps=None,
+                            chaos=("41", "43", "47"), given=("killed",))
+    results = [out["ranks"]]
+    assert "resumed run" in out["restarted_log"]
     for rank in range(WORKERS):
         got = results[0][rank]
         assert got["killed"]["loss"] == got["plain"]["loss"], "a node restart changed the losses"
@@ -101,35 +118,9 @@ def test_a_compressed_run_replays_exactly_after_a_node_restart(tmp_path):
     node/worker.py), so the run ends with the uninterrupted compressed run's losses and grad norms bit for bit,
     the killed one in the chaos mode. With the residuals the workers hold at the restart instead (their error
     of step 3, or of 3 and 4) the losses part from step 4 on."""
-    workers, halt, steps = 2, 3, 6
-    ports = {"plain": free_port(), "killed": free_port()}
-    logs = {k: tmp_path / f"{k}.log" for k in ports}
-    plain = _node(ports["plain"], tmp_path / "plain", logs["plain"], workers=workers)
-    first = _node(ports["killed"], tmp_path / "killed", logs["killed"], workers=workers,
-                  **{HALT_ENV: str(halt), CHAOS_ENV: "61"})
-    procs = [plain, first]
-    try:
-        runs = [(k, {"strategy": "node", "node": f"tcp://127.0.0.1:{p}", "timeout": 60, "compress": "onebit"},
-                 "67" if k == "killed" else "") for k, p in ports.items()]
-        results: list = []
-        ranks = threading.Thread(target=lambda: results.append(run_ranks(node_jobs.train_metrics, workers, runs, (),
-                                                                         steps)), daemon=True)
-        ranks.start()
-        _wait_for(logs["killed"], f"halted after step {halt}", first)
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        assert latest_snapshot(tmp_path / "killed").step == 2
-        second = _node(ports["killed"], tmp_path / "killed", logs["killed"].with_suffix(".2.log"), workers=workers,
-                       **{CHAOS_ENV: "71"})
-        procs.append(second)
-        ranks.join(240)
-        assert results, "the workers did not finish"
-        assert second.wait(60) == 0 and plain.wait(60) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    workers = 2
+    results = [_killed_and_plain(tmp_path, workers=workers, halt=3, snapshot_step=2, run={"compress": "onebit"},
+                                 steps=6, chaos=("61", "67", "71"))["ranks"]]
     for rank in range(workers):
         got = results[0][rank]
         assert got["killed"]["rejoins"] == 1 and got["killed"]["replayed"] in (0, 1), got["killed"]
