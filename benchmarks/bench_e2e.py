@@ -259,13 +259,21 @@ def run_peer(name: str, args, workdir: str) -> dict:
         log.seek(0)
         errs.append(log.read())
         log.close()
+    written = all(Path(f"{result}.rank{r}").exists() for r in range(world))
+    exit_note = ""
     if any(p.returncode for p in procs):
         failed = next(i for i, p in enumerate(procs) if p.returncode)
-        return {"error": _error(errs[failed] or f"exit status {procs[failed].returncode}")}
+        error = _error(errs[failed] or f"exit status {procs[failed].returncode}")
+        if not written:
+            return {"error": error}
+        # Every rank wrote its times (after its last step) before one of them failed: DeepSpeed ZeRO-Offload's
+        # ranks end with "terminate called without an active exception" as they exit, in some runs. The steps
+        # were measured whole; the report says how the run ended.
+        exit_note = f"rank {failed} exited with status {procs[failed].returncode} after writing its result: {error}"
     ranks = [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(world)]
     times = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
     return {"step_s": statistics.median(times[1:]), "loss": ranks[0]["losses"][-1],
-            "rss": rss, "kind": ranks[0]["kind"], "ranks": world}
+            "rss": rss, "kind": ranks[0]["kind"], "ranks": world, "exit_note": exit_note}
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -343,6 +351,11 @@ def report(args, rounds: dict, errors: dict, extra: dict, load_before: str) -> l
         lines.append(f"| {name} | {runs[0]['ranks']} | {_tokens(args, runs[0]['ranks']) / step:,.0f} | "
                      f"{', '.join(format(x['step_s'], '.3f') for x in runs)} | {step:.3f} | "
                      f"{max(x['rss'] for x in runs) / 1e6:,.0f} | {runs[-1]['loss']:.4f} | {runs[0]['kind']} |")
+    notes = [f"- {name}, round {i + 1}: {x['exit_note']}" for name, runs in rounds.items()
+             for i, x in enumerate(runs) if x.get("exit_note")]
+    if notes:
+        lines += ["", "Runs that ended badly after every rank wrote its measured steps (their figures are kept):", "",
+                  *notes]
     lines += ["", "Ours / peer, the same placement (median over rounds of the ratio in that round; range):", "",
               "| ours | peer | step ratio | range | peak RSS ratio | P10 target | verdict |",
               "|---|---|---|---|---|---|---|"]
