@@ -73,8 +73,8 @@ it would cost a second copy of the state.
 AdamW is elementwise, so a unit's update may run as several ``OptimStep`` ops,
 each over whole shards that cover one run of its elements in every kind it
 reads and writes (the gradient, the three states, the compute copy; cut where
-all their chunk boundaries meet: at 16 MiB chunks, every 8 Mi elements for a
-bf16 copy beside fp32 state). Where the state streams from NVMe this turns a
+all their shard boundaries meet: with one 16 MiB chunk per shard, every 8 Mi
+elements for a bf16 copy beside fp32 state). Where the state streams from NVMe this turns a
 unit's read, update and write into a pipeline: a piece's write-back starts as
 soon as its own loads are updated, and its staging slots then take the next
 loads, where one op per unit left the disk idle while a whole unit's state was
