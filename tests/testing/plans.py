@@ -3,6 +3,7 @@
 from luwu_rt.models.presets import get_preset
 from luwu_rt.plan import (Access, Belady, Budgets, Compute, Free, Load, ModelSpec, OptimStep, Placement, ShardId,
                           Strategy, UnitSpec, gpt_model_spec, lower_bounds, plan_step)
+from luwu_rt.plan.search import fitting_budgets
 from luwu_rt.testing import hand_plan
 
 MiB = 1 << 20
@@ -39,11 +40,15 @@ def small_model() -> ModelSpec:
 
 def tight_plan(model: ModelSpec, placement: Placement, *, strategy: Strategy = Strategy(), factor: float = 1.3,
                host_factor: float | None = None, policy="belady"):
-    """A plan under budgets ``factor`` (on the host ``host_factor``) times the lower bounds, where eviction and
-    prefetch matter."""
-    bounds = lower_bounds(model, placement=placement, strategy=strategy)
-    budgets = Budgets(device_bytes=int(bounds["device"] * factor) + 4096,
-                      host_bytes=int(bounds["host"] * (host_factor or factor)) + 4096)
+    """A plan under budgets ``factor`` (on the host ``host_factor``) times the smallest that plan (with Belady),
+    where eviction and prefetch matter. The smallest that plan, not the lower bounds: how far above its bound a
+    plan needs changes with the op granularity (an update in pieces stages less at once than the forward holds)."""
+    least = fitting_budgets(Budgets(device_bytes=0, host_bytes=0),
+                            bounds=lower_bounds(model, placement=placement, strategy=strategy),
+                            plan=lambda b: plan_step(model, budgets=b, placement=placement, strategy=strategy))
+    assert least is not None, "no budgets plan this model"
+    budgets = Budgets(device_bytes=int(least.device_bytes * factor) + 4096,
+                      host_bytes=int(least.host_bytes * (host_factor or factor)) + 4096)
     return plan_step(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy)
 
 
