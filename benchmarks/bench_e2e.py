@@ -40,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -220,10 +221,19 @@ def _free_port() -> int:
 
 
 def _error(stderr: str) -> str:
-    """The exception a failed rank ended with: its last line that names one, else the last lines."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    """The exception a failed rank ended with: its last line that names one, else its last lines that are not
+    a warning (a warning's line and the source line Python prints under it). The reports are committed: this
+    machine's site-packages directory is shortened to ``<site-packages>``."""
+    lines, warned = [], False
+    for ln in (ln.strip() for ln in stderr.splitlines()):
+        if ln and not warned and "Warning: " not in ln:
+            lines.append(ln)
+        warned = "Warning: " in ln
     named = [ln for ln in lines if ("Error" in ln or "Exception" in ln) and ":" in ln and not ln.startswith("File ")]
-    return (named[-1] if named else " / ".join(lines[-3:]))[:600]
+    text = named[-1] if named else " / ".join(lines[-3:])
+    for where in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        text = text.replace(where, "<site-packages>")
+    return text[:600]
 
 
 def run_peer(name: str, args, workdir: str) -> dict:
