@@ -57,8 +57,8 @@ from .planner import OutOfBudget, budget_message, walk_steps
 from .policy import Policy, as_policy
 # Package-internal helpers of the worker's sequence: one way to cut buffers into shards and to
 # count ring bytes (DESIGN.md style 11).
-from .sequence import (NORM_BYTES, Need, Step, _cut, _ring, element_bytes, final_points, home_of, update_pieces,
-                       update_state_needs)
+from .sequence import (NORM_BYTES, Need, Step, _cut, _ring, element_bytes, final_points, home_of, update_needs,
+                       update_pieces)
 from .sizes import format_size
 from .spec import (OPTIMIZER_KINDS, PERSISTENT_KINDS, SECOND_HALF, TIERS, Budgets, ModelSpec, Placement, Strategy,
                    align_up, ceil_div)
@@ -138,8 +138,7 @@ def node_steps(model: ModelSpec, layout: dict[ShardId, ShardInfo], *, num_worker
                           needs(u, "grad", "r") + needs(u, "norm", "w")))
         norm = needs(GLOBAL_UNIT, "norm", "r") if clip else ()
         for piece in update_pieces(model, layout, shards_of, u, ("grad", "param"), streamed=streamed):
-            update = tuple(Need(s, "host", "r") for s in piece["grad"]) + update_state_needs(model, piece, "host")
-            update += tuple(Need(s, "host", "w") for s in piece["param"]) + norm
+            update = update_needs(model, piece, "host", grad="grad", param="param") + norm
             num_params = sum(layout[s].numel for s in piece["master"])
             (updates if clip else steps).append(Step(OptimStep, "optim", dict(unit=u, num_params=num_params,
                                                                               tier="host"), update))

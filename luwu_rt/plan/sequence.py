@@ -479,11 +479,8 @@ class _Sequence:
         norm = self.needs((GLOBAL_UNIT,), "norm", tier, "r") \
             if waits and _tracks_norm(self.model, self.strategy) else ()  # [Note: clipping] in exec/step.py
         for piece in self.update_pieces(u, (self.gkind, self.pkind)):
-            needs = tuple(Need(s, tier, "r") for s in piece[self.gkind])
-            needs += self.state_needs(piece)
-            needs += tuple(Need(s, tier, "w") for s in piece[self.pkind])
             self.add(OptimStep, self.optim_queue, dict(unit=u, num_params=self.numel(piece["master"]), tier=tier),
-                     needs + norm)
+                     update_needs(self.model, piece, tier, grad=self.gkind, param=self.pkind) + norm)
         if self.pkind == "param_slice":
             self.collective(Gather, "gather", u, "all_gather", self.full_bytes(u, "param"),
                             self.needs((u,), "param_slice", "device", "r") + self.needs((u,), "param", "device", "w"))
@@ -494,9 +491,6 @@ class _Sequence:
 
     def numel(self, sids: list[ShardId]) -> int:
         return sum(self.layout[s].numel for s in sids)
-
-    def state_needs(self, piece: dict[str, list[ShardId]]) -> tuple[Need, ...]:
-        return update_state_needs(self.model, piece, self.optim_tier)
 
     def restore(self, u: int) -> None:
         """The compute copy of ``u``'s parameters from the current half of its master weights (what they were
@@ -544,14 +538,18 @@ def update_pieces(model: ModelSpec, layout: dict[ShardId, ShardInfo], shards_of:
             for a, b in zip(cuts, cuts[1:])]
 
 
-def update_state_needs(model: ModelSpec, piece: dict[str, list[ShardId]], tier: str) -> tuple[Need, ...]:
-    """The optimizer state an update of ``piece`` reads and writes: in place, or from the current half into the
-    other one, taking over the staging copies ([Note: speculative updates])."""
+def update_needs(model: ModelSpec, piece: dict[str, list[ShardId]], tier: str, *, grad: str,
+                 param: str) -> tuple[Need, ...]:
+    """What an update of ``piece`` reads and writes: its gradient (kind ``grad``), the optimizer state in place or
+    from the current half into the other one, taking over the staging copies ([Note: speculative updates]),
+    and the compute copy of its parameters (kind ``param``)."""
     if not model.double_buffer:
-        return tuple(Need(s, tier, "rw") for state in OPTIMIZER_KINDS for s in piece[state])
-    other = 1 - model.state_half
-    return tuple(n for state in OPTIMIZER_KINDS for a in piece[state]
-                 for n in (Need(a, tier, "r"), Need(a._replace(state=half_kind(state, other)), tier, "w", into=a)))
+        state = tuple(Need(s, tier, "rw") for kind in OPTIMIZER_KINDS for s in piece[kind])
+    else:
+        other = 1 - model.state_half
+        state = tuple(n for kind in OPTIMIZER_KINDS for a in piece[kind]
+                      for n in (Need(a, tier, "r"), Need(a._replace(state=half_kind(kind, other)), tier, "w", into=a)))
+    return tuple(Need(s, tier, "r") for s in piece[grad]) + state + tuple(Need(s, tier, "w") for s in piece[param])
 
 
 def check_double_buffer(model: ModelSpec, strategy: Strategy, placement: Placement) -> None:
