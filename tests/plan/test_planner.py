@@ -323,6 +323,23 @@ def test_optimizer_can_wait_for_the_whole_backward():
     assert optim_steps and all(depends_on(i, last_backward) for i in optim_steps)
 
 
+@pytest.mark.parametrize("strategy", [Strategy(), Strategy(name="ddp", world_size=2),
+                                      Strategy(name="zero3", world_size=2)])
+def test_updates_after_the_norm_run_in_the_next_forwards_order(strategy):
+    """[Note: updates after the norm] (plan/sequence.py): where the updates wait for the whole backward they run
+    unit 0 first, so the next step's first loads wait for the first write-backs, not the last; where they
+    follow the backward, in its order."""
+    model = gpt_model_spec(get_preset("gpt-tiny"))
+    placement = Placement(params="nvme", optimizer="nvme", grads="host")
+    for waits, order in ((True, sorted), (False, lambda units: sorted(units, reverse=True))):
+        plan = plan_step(dataclasses.replace(model, optimizer_waits_for_backward=waits),
+                         budgets=Budgets(device_bytes=2**30, host_bytes=2**30), placement=placement,
+                         strategy=strategy)
+        validate(plan)
+        units = [op.unit for op in plan.ops if isinstance(op, OptimStep)]
+        assert units == order(units) and len(set(units)) == len(model.units)
+
+
 def test_plan_package_is_pure():
     """DESIGN.md style rule 1: the planner imports neither torch, zmq, numpy nor the native module."""
     import subprocess
