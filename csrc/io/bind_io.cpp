@@ -2,7 +2,6 @@
 // Validation of user input (buffers, offsets, sizes) lives in luwu_rt/io/.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <system_error>
 
@@ -41,12 +40,12 @@ std::unique_ptr<Engine> make_engine(const std::string& backend, unsigned queue_d
 }
 
 uint64_t submit(Engine& e, io::Op op, const std::string& path, int fd, uintptr_t buf, uint64_t offset,
-                uint64_t nbytes, bool durable, uint64_t crc_chunk) {
+                uint64_t nbytes, bool durable) {
   io::WaitResult err;
   uint64_t ticket;
   {
     py::gil_scoped_release release;
-    ticket = e.submit(op, path, fd, buf, offset, nbytes, durable, crc_chunk, &err);
+    ticket = e.submit(op, path, fd, buf, offset, nbytes, durable, &err);
   }
   if (ticket == 0) raise_os_error(err.err, err.msg);
   return ticket;
@@ -65,7 +64,7 @@ void bind_io(py::module_& m) {
                                return e.backend() == io::Backend::kIoUring ? "io_uring" : "threads";
                              })
       .def("submit", &submit, py::kw_only(), py::arg("op"), py::arg("path"), py::arg("fd"), py::arg("buf"),
-           py::arg("offset"), py::arg("nbytes"), py::arg("durable"), py::arg("crc_chunk") = 0)
+           py::arg("offset"), py::arg("nbytes"), py::arg("durable"))
       .def(
           "wait",
           [](Engine& e, uint64_t ticket) {
@@ -74,7 +73,7 @@ void bind_io(py::module_& m) {
               py::gil_scoped_release release;
               r = e.wait(ticket);
             }
-            return py::make_tuple(r.err, r.msg, r.done_s, py::cast(r.crcs));
+            return py::make_tuple(r.err, r.msg, r.done_s);
           },
           py::arg("ticket"))
       .def("done", &Engine::done, py::arg("ticket"))

@@ -1,12 +1,9 @@
 #include "io/engine.h"
 
-#include "store/crc32c.h"
-
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -180,7 +177,7 @@ void Engine::close() {
 }
 
 uint64_t Engine::submit(Op op, const std::string& path, int fd, uintptr_t buf, uint64_t offset,
-                        uint64_t nbytes, bool durable, uint64_t crc_chunk, WaitResult* open_err) {
+                        uint64_t nbytes, bool durable, WaitResult* open_err) {
   const bool for_write = op == Op::kWrite;
   OpenResult opened = fd >= 0 ? FileCache::wrap_fd(fd, for_write) : files_.open_path(path, for_write);
   if (opened.err != 0) {
@@ -201,7 +198,6 @@ uint64_t Engine::submit(Op op, const std::string& path, int fd, uintptr_t buf, u
   r->offset = offset;
   r->nbytes = nbytes;
   r->durable = durable && for_write;
-  r->crc_chunk = crc_chunk;
   const bool immediate = nbytes == 0 && !r->durable;
   {
     // Enqueueing under mu_ orders it with close(): a request is either
@@ -227,24 +223,7 @@ uint64_t Engine::submit(Op op, const std::string& path, int fd, uintptr_t buf, u
 // Timed at the wait, a trace showed the read queue busy 2.3 s for 8 KiB loads
 // that the disk had finished in milliseconds. So the lane's reaper stamps each
 // request as it completes, and the wait returns the stamp.
-//
-// [Note: checksums off the consumer's path]
-// Every NVMe chunk carries a CRC-32C (store/nvme.py): a write records the
-// checksum of what it wrote, a read is checked against it. Computed by the
-// thread that waits for a transfer, the check ran right before the data's
-// consumer: with the optimizer state on NVMe, every update of gpt-small's
-// units first checksummed its 45 MB of freshly loaded state, 5 ms on the
-// optimizer queue per unit, after loads that had finished long before. So the
-// lane's reaper computes the checksums of a request that asks for them
-// (`crc_chunk`) as the transfer completes, before it is marked done, and the
-// wait returns them. The uring lane hands the ring its next pieces before it
-// completes requests, so the disk does not wait for the checksums either.
 void Engine::complete(Request* r) {
-  if (r->crc_chunk > 0 && r->err == 0) {
-    r->crcs.clear();
-    for (uint64_t pos = 0; pos < r->nbytes; pos += r->crc_chunk)
-      r->crcs.push_back(crc32c(r->buf + pos, std::min(r->crc_chunk, r->nbytes - pos)));
-  }
   const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -268,7 +247,7 @@ WaitResult Engine::wait(uint64_t ticket) {
   if (slot->waited) return WaitResult{-1, "ticket is already being waited for"};
   slot->waited = true;
   cv_.wait(lock, [&] { return slot->done; });
-  WaitResult out{slot->req->err, slot->req->msg, slot->done_s, std::move(slot->req->crcs)};
+  WaitResult out{slot->req->err, slot->req->msg, slot->done_s};
   tickets_.erase(ticket);
   return out;
 }

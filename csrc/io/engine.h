@@ -10,7 +10,6 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <vector>
 
 #include "io/files.h"
 
@@ -32,10 +31,6 @@ struct Request {
   uint64_t offset = 0;
   uint64_t nbytes = 0;
   bool durable = false;
-  // Checksum every `crc_chunk` bytes of the buffer once the transfer is done (0: none); [Note: checksums off
-  // the consumer's path] in engine.cpp.
-  uint64_t crc_chunk = 0;
-  std::vector<uint32_t> crcs;
   // Scheduling state, guarded by the owning lane's mutex.
   uint64_t next = 0;     // bytes [0, next) handed out as pieces
   int inflight = 0;      // pieces submitted and not completed
@@ -98,8 +93,6 @@ struct WaitResult {
   // When the request completed (its last piece), on std::chrono::steady_clock in seconds: a waiter that comes
   // late still learns when the transfer itself ended ([Note: when a transfer ended] in engine.cpp).
   double done_s = 0.0;
-  // CRC-32C of each `crc_chunk` bytes of the buffer as it was when the transfer ended (empty without).
-  std::vector<uint32_t> crcs;
 };
 
 class Engine {
@@ -111,9 +104,8 @@ class Engine {
 
   // Returns a ticket (> 0), or 0 with `open_err` set when the file cannot be
   // opened; `path` names the file, `fd` >= 0 (owned by the caller) overrides it.
-  // `crc_chunk` > 0: the wait also returns the CRC-32C of every `crc_chunk` bytes of the buffer.
   uint64_t submit(Op op, const std::string& path, int fd, uintptr_t buf, uint64_t offset, uint64_t nbytes,
-                  bool durable, uint64_t crc_chunk, WaitResult* open_err);
+                  bool durable, WaitResult* open_err);
   // Blocks until the ticket completes and forgets it. err == -1: unknown ticket.
   WaitResult wait(uint64_t ticket);
   bool done(uint64_t ticket);

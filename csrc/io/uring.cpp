@@ -110,16 +110,6 @@ int Ring::submit_and_wait() {
   }
 }
 
-int Ring::submit() {
-  pending_ += local_tail_ - *sq_tail_;
-  __atomic_store_n(sq_tail_, local_tail_, __ATOMIC_RELEASE);
-  if (pending_ == 0) return 0;
-  const int r = sys_enter(fd_, pending_, 0, 0);
-  if (r < 0) return errno == EINTR || errno == EAGAIN || errno == EBUSY ? 0 : -errno;  // submit_and_wait retries
-  pending_ -= static_cast<unsigned>(r);
-  return 0;
-}
-
 bool Ring::pop_cqe(uint64_t* user_data, int32_t* res) {
   const unsigned head = *cq_head_;
   if (__atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE) == head) return false;

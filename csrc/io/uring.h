@@ -29,8 +29,6 @@ class Ring {
   // Hands every prepared entry to the kernel and, unless a completion is
   // already queued, blocks until one arrives. Returns 0 or -errno.
   int submit_and_wait();
-  // Hands every prepared entry to the kernel without waiting. Returns 0 or -errno.
-  int submit();
   // Pops one completion into (user_data, res); false when the queue is empty.
   bool pop_cqe(uint64_t* user_data, int32_t* res);
 

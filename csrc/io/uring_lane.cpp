@@ -162,9 +162,6 @@ class UringLane final : public Lane {
         }
         exit = stopping_ && inflight_ == 0 && pending_.empty();
       }
-      // The next pieces go to the disk before completing requests checksums them ([Note: checksums off the
-      // consumer's path] in engine.cpp).
-      if (!finished.empty() && ring_.submit() < 0) std::abort();
       for (Request* r : finished) engine_->complete(r);
       finished.clear();
       if (exit) return;  // the pending wake read dies with the ring

@@ -48,12 +48,6 @@ class IOTicket:
     """Size of the request."""
     buffer: torch.Tensor = field(repr=False)
     """Kept referenced until the request completes, so its memory cannot be freed under the IO."""
-    checksum_bytes: int = 0
-    """Submitted with ``checksum_bytes``: the size of each checksummed piece of the buffer (0: none)."""
-    crcs: list[int] | None = None
-    """After :meth:`IOEngine.wait`, with ``checksum_bytes``: the CRC-32C of each ``checksum_bytes`` of the buffer
-    as the transfer left it, computed by the engine as the transfer completed ([Note: checksums off the
-    consumer's path] in csrc/io/engine.cpp)."""
 
 
 def _check_buffer(buffer: object, what: str) -> torch.Tensor:
@@ -150,31 +144,24 @@ class IOEngine:
         """The active backend: ``"io_uring"`` or ``"threads"``."""
         return self._native().backend
 
-    def submit_read(self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor,
-                    checksum_bytes: int = 0) -> IOTicket:
+    def submit_read(self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor) -> IOTicket:
         """Starts reading ``buffer.nbytes`` bytes at ``offset`` into ``buffer``.
-        Reading past the end of the file fails with ``OSError(ENODATA)``. ``checksum_bytes`` > 0: the ticket's
-        ``crcs`` hold the checksums of what was read once waited for."""
-        return self._submit("read", path_or_fd, offset, buffer, False, checksum_bytes)
+        Reading past the end of the file fails with ``OSError(ENODATA)``."""
+        return self._submit("read", path_or_fd, offset, buffer, False)
 
     def submit_write(
-        self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor, durable: bool = False,
-        checksum_bytes: int = 0,
+        self, path_or_fd: PathOrFd, *, offset: int, buffer: torch.Tensor, durable: bool = False
     ) -> IOTicket:
         """Starts writing ``buffer`` at ``offset``; ``durable`` adds an fdatasync
-        before the ticket completes. Do not modify ``buffer`` until then. ``checksum_bytes`` > 0: the ticket's
-        ``crcs`` hold the checksums of what was written once waited for."""
-        return self._submit("write", path_or_fd, offset, buffer, durable, checksum_bytes)
+        before the ticket completes. Do not modify ``buffer`` until then."""
+        return self._submit("write", path_or_fd, offset, buffer, durable)
 
-    def _submit(self, op: str, path_or_fd: PathOrFd, offset: int, buffer: torch.Tensor, durable: bool,
-                checksum_bytes: int) -> IOTicket:
+    def _submit(self, op: str, path_or_fd: PathOrFd, offset: int, buffer: torch.Tensor, durable: bool) -> IOTicket:
         from luwu_rt import _C
 
         what = f"submit_{op}"
         buffer = _check_buffer(buffer, what)
         offset = _check_offset(offset, what)
-        if isinstance(checksum_bytes, bool) or not isinstance(checksum_bytes, int) or checksum_bytes < 0:
-            raise ValueError(f"{what}: checksum_bytes must be a non-negative int, got {checksum_bytes!r}")
         if isinstance(path_or_fd, bool) or not isinstance(path_or_fd, (int, str, os.PathLike)):
             raise ValueError(f"{what}: path_or_fd must be a path or an int descriptor, got {type(path_or_fd).__name__}")
         if isinstance(path_or_fd, int):
@@ -186,13 +173,11 @@ class IOEngine:
         native_op = _C.IOOp.READ if op == "read" else _C.IOOp.WRITE
         try:
             ticket_id = self._native().submit(
-                op=native_op, path=path, fd=fd, buf=buffer.data_ptr(), offset=offset, nbytes=nbytes, durable=durable,
-                crc_chunk=checksum_bytes,
+                op=native_op, path=path, fd=fd, buf=buffer.data_ptr(), offset=offset, nbytes=nbytes, durable=durable
             )
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, shown) from None
-        ticket = IOTicket(id=ticket_id, op=op, path=shown, offset=offset, nbytes=nbytes, buffer=buffer,
-                          checksum_bytes=checksum_bytes)
+        ticket = IOTicket(id=ticket_id, op=op, path=shown, offset=offset, nbytes=nbytes, buffer=buffer)
         self._tickets[ticket_id] = ticket
         return ticket
 
@@ -203,14 +188,12 @@ class IOEngine:
         native = self._native()
         if not isinstance(ticket, IOTicket) or self._tickets.get(ticket.id) is not ticket:
             raise ValueError(f"wait: {ticket!r} is not a pending ticket of this engine (already waited for?)")
-        err, msg, done_s, crcs = native.wait(ticket.id)
+        err, msg, done_s = native.wait(ticket.id)
         if err == -1:  # another thread is waiting for it or already did
             raise ValueError(f"wait: {ticket!r} is already being waited for by another thread")
         self._tickets.pop(ticket.id, None)
         if err != 0:
             raise OSError(err, msg, ticket.path)
-        if ticket.checksum_bytes:
-            ticket.crcs = crcs
         return done_s + _PERF_MINUS_STEADY
 
     def done(self, ticket: IOTicket) -> bool:

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,8 @@ class NvmeRequest:
     unit: int
     state: str
     first_chunk: int
+    crcs: list[int] = field(default_factory=list)
+    """For writes: checksums of the chunks being written, recorded on success."""
 
 
 class NvmeTier:
@@ -183,11 +185,12 @@ class NvmeTier:
 
     def submit_write(self, unit: int, state: str, *, first_chunk: int, buffer: torch.Tensor) -> NvmeRequest:
         """Starts writing ``buffer`` over chunks ``first_chunk...``; keep it unchanged until :meth:`wait`."""
+        from luwu_rt import _C
+
         region, offset = self._place(unit, state, first_chunk, buffer.nbytes)
-        # The engine checksums what it wrote as the write completes ([Note: checksums off the consumer's path]
-        # in csrc/io/engine.cpp).
-        ticket = self.engine.submit_write(region.path, offset=offset, buffer=buffer, checksum_bytes=self.chunk_bytes)
-        return NvmeRequest(ticket, unit, state, first_chunk)
+        crcs = [_C.crc32c(v.numpy()) for v in self._chunk_views(buffer)]
+        ticket = self.engine.submit_write(region.path, offset=offset, buffer=buffer)
+        return NvmeRequest(ticket, unit, state, first_chunk, crcs)
 
     def submit_read(self, unit: int, state: str, *, first_chunk: int, buffer: torch.Tensor) -> NvmeRequest:
         """Starts reading chunks ``first_chunk...`` into ``buffer``; verified by :meth:`wait`."""
@@ -195,24 +198,24 @@ class NvmeTier:
         known = self._crcs[(unit, state)][first_chunk : first_chunk + len(self._chunk_views(buffer))]
         # A read of a chunk never written would return whatever the disk held.
         assert None not in known, f"read of never-written chunk of unit {unit} state {state}"
-        ticket = self.engine.submit_read(region.path, offset=offset, buffer=buffer,
-                                         checksum_bytes=self.chunk_bytes if self.verify_reads else 0)
+        ticket = self.engine.submit_read(region.path, offset=offset, buffer=buffer)
         return NvmeRequest(ticket, unit, state, first_chunk)
 
     def wait(self, request: NvmeRequest) -> float:
         """Completes ``request`` and returns when its transfer ended (``IOEngine.wait``); a read whose data does
         not match its checksum raises ``OSError(EIO)`` naming the file and the chunk."""
-        ticket = request.ticket
-        ended = self.engine.wait(ticket)
+        from luwu_rt import _C
+
+        ended = self.engine.wait(request.ticket)
         crcs = self._crcs[(request.unit, request.state)]
-        if ticket.op == "write":
-            crcs[request.first_chunk : request.first_chunk + len(ticket.crcs)] = ticket.crcs
+        if request.ticket.op == "write":
+            crcs[request.first_chunk : request.first_chunk + len(request.crcs)] = request.crcs
             return ended
-        if not ticket.checksum_bytes:
+        if not self.verify_reads:
             return ended
-        for i, crc in enumerate(ticket.crcs):
+        for i, view in enumerate(self._chunk_views(request.ticket.buffer)):
             chunk = request.first_chunk + i
-            if crc != crcs[chunk]:
+            if _C.crc32c(view.numpy()) != crcs[chunk]:
                 raise OSError(
                     errno.EIO,
                     f"checksum mismatch in chunk {chunk} of unit {request.unit} state {request.state!r} "

@@ -90,31 +90,6 @@ def test_reads_and_writes_in_flight_together(engine, tmp_path, random_bytes):
     assert dst.read_bytes() == data.numpy().tobytes()
 
 
-@pytest.mark.parametrize("nbytes", (0, 4096, (1 << 20) + 3))
-def test_checksums_of_what_moved(engine, tmp_path, nbytes, random_bytes):
-    """``checksum_bytes``: the engine hands back the CRC-32C of each piece of the buffer, for a write what it
-    wrote and for a read what it read, equal to ``crc32c`` over the same pieces; without it, none."""
-    from luwu_rt import _C
-
-    piece = 64 << 10
-    data = random_bytes(nbytes, seed=nbytes)
-    expect = [_C.crc32c(data[i : i + piece].numpy()) for i in range(0, nbytes, piece)]
-    path = tmp_path / "summed.bin"
-    write = engine.submit_write(path, offset=0, buffer=data, checksum_bytes=piece)
-    engine.wait(write)
-    assert write.crcs == expect
-    back = aligned_empty(nbytes)
-    read = engine.submit_read(path, offset=0, buffer=back, checksum_bytes=piece) if nbytes else None
-    if read is not None:
-        engine.wait(read)
-        assert read.crcs == expect
-    plain = engine.submit_write(path, offset=0, buffer=data)
-    engine.wait(plain)
-    assert plain.crcs is None
-    with pytest.raises(ValueError, match="checksum_bytes must be a non-negative int"):
-        engine.submit_read(path, offset=0, buffer=back, checksum_bytes=-1)
-
-
 def test_durable_writes(engine, tmp_path, random_bytes):
     path = tmp_path / "durable.bin"
     data = random_bytes(3 * PAGE_BYTES + 17, seed=1)
