@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                         help="compute dtype (default fp32)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="on the CPU: measure that model's compute with this many ranks side by side, as "
+                             "luwu train --nproc N runs them (default 1)")
     parser.add_argument("--nvme-mb", type=int, default=128, help="MiB per NVMe measurement (default 128)")
     parser.add_argument("--net-mib", type=int, default=16, help="MiB per collective and per node-protocol "
                                                                 "transfer (default 16)")
@@ -87,7 +90,7 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     dev_mem = mem if device == "cpu" else timed("device memory", probes.mem_gbps, device=device, numel=1 << 27)
     matmul = timed("matmul", probes.matmul_flops, device=device, dtype=args.dtype)
     compute = timed("compute", probes.compute_rate, args.model, batch_size=args.batch_size, seq_len=args.seq_len,
-                    dtype=args.dtype)
+                    dtype=args.dtype, ranks=args.ranks if device == "cpu" else 1)
     shared = timed("overlap", probes.overlap, device=device)
     # A rank of a run on this machine shares its cores with the others: on the CPU the codecs are timed on
     # one rank's share (two ranks, the common local run), on a GPU on the device.
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from luwu_rt.cli.dirs import created_dir, scratch_dir
     from luwu_rt.engine.hwprofile import cached_profile_path
 
-    for name in ("batch_size", "seq_len", "nvme_mb", "net_mib", "optim_numel", "codec_numel"):
+    for name in ("batch_size", "seq_len", "ranks", "nvme_mb", "net_mib", "optim_numel", "codec_numel"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.no_cache and not args.out:

@@ -8,6 +8,7 @@ repetitions: the machine may be shared, and one slow repetition should not set a
 from __future__ import annotations
 
 import os
+import queue
 import statistics
 import threading
 import time
@@ -228,12 +229,17 @@ def matmul_flops(*, n: int = 1024, device: str = "cpu", dtype: str = "fp32", rep
 
 
 def compute_rate(model: str, *, batch_size: int, seq_len: int, dtype: str = "fp32", steps: int = 4,
-                 keep_graphs: str = "auto") -> dict:
+                 keep_graphs: str = "auto", ranks: int = 1, start: Callable[[], object] | None = None) -> dict:
     """The FLOP/s the cost model should take for ``model``: the plan's FLOPs of a step over the compute queue's
     busy time in real steps of the engine (units forward and backward as the engine runs them: kept graphs,
     recompute, attention and the elementwise work a matmul rate leaves out). Every state on the device tier
     but the optimizer's, which runs on its own queue after the backward (clipping on), so that the compute
-    queue does the model's work alone."""
+    queue does the model's work alone. ``ranks`` > 1: measured by that many ranks side by side on this
+    machine's cores ([Note: the compute rate of ranks side by side]); ``start``: called once the engine is
+    set up, before the timed steps."""
+    if ranks > 1:
+        return _side_by_side(ranks, dict(model=model, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
+                                         steps=steps, keep_graphs=keep_graphs))
     import torch
 
     from luwu_rt.config import from_mapping
@@ -251,6 +257,8 @@ def compute_rate(model: str, *, batch_size: int, seq_len: int, dtype: str = "fp3
     with Engine(None, config) as engine:
         vocab = engine.chain.shape.vocab_size if getattr(engine.chain, "shape", None) else 256
         g = torch.Generator().manual_seed(0)
+        if start is not None:
+            start()
         busy = []
         for _ in range(steps + 1):
             data = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
@@ -260,6 +268,60 @@ def compute_rate(model: str, *, batch_size: int, seq_len: int, dtype: str = "fp3
     compute_s = statistics.median(busy[1:])
     return {"model": model, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype, "step_flops": flops,
             "compute_s": compute_s, "flops": flops / compute_s}
+
+
+def _side_by_side(ranks: int, shape: dict) -> dict:
+    """[Note: the compute rate of ranks side by side]
+    Ranks that share this machine's cores each get ``1 / ranks`` of the machine's rates ([Note: a rank's share
+    of the machine] in engine/hwprofile.py). For the compute that share depends on the model: a small model's
+    kernels use two cores poorly, so one core does more than half their work. Measured on 2 cores, a rank of
+    two computed gpt-tiny (batch 8 x 128) in 1.46x the time of one process on both cores and gpt-small (4 x
+    256) in 1.91x, where dividing the rate by 2 had overpredicted gpt-tiny's 2-rank steps by 24-36%. So
+    for ranks on the CPU the rate is measured by the ranks themselves: ``ranks`` processes, each pinned to its
+    share of the cores as a launched rank is (``pin_cores``), run the probe at once, and the rate taken is a
+    rank's (their median) times ``ranks``: a profile's ``compute_flops`` stays the machine's, which
+    ``per_rank`` divides back into the rate a rank measured."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: pinned before torch starts threads
+    barrier, results = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_rank_probe, args=(r, ranks, shape, barrier, results), daemon=True)
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    got: list[dict] = []
+    try:
+        while len(got) < ranks:
+            try:
+                got.append(results.get(timeout=1.0))
+            except queue.Empty:
+                dead = next((p for p in procs if p.exitcode not in (None, 0)), None)
+                if dead is not None:
+                    raise RuntimeError(f"a compute probe rank died (exit code {dead.exitcode})") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    failed = [g for g in got if "error" in g]
+    if failed:
+        raise RuntimeError(f"compute probe of rank {failed[0]['rank']} of {ranks} failed: {failed[0]['error']}")
+    per_rank = statistics.median(g["flops"] for g in got)
+    return {**{k: v for k, v in shape.items() if k != "keep_graphs"}, "ranks": ranks,
+            "step_flops": got[0]["step_flops"], "compute_s": statistics.median(g["compute_s"] for g in got),
+            "rank_flops": [g["flops"] for g in sorted(got, key=lambda g: g["rank"])], "flops": per_rank * ranks}
+
+
+def _rank_probe(rank: int, ranks: int, shape: dict, barrier: Any, results: Any) -> None:
+    """One rank of ``_side_by_side``: pinned to its cores, timed once every rank is set up."""
+    try:
+        from luwu_rt.dist.launch import pin_cores
+
+        pin_cores(rank, ranks)
+        results.put({"rank": rank, **compute_rate(**shape, start=barrier.wait)})
+    except BaseException as exc:  # the parent reports it; a rank that failed must not leave the others waiting
+        barrier.abort()
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
 
 
 def overlap(*, seconds: float = 0.3, device: str = "cpu", rounds: int = 3) -> dict:

@@ -13,11 +13,12 @@ step 98% short).
 A calibration measures this machine with all its cores (``_machine`` in its notes says so). Ranks on one
 machine pin themselves to a share of its cores (``pin_cores``), so each rank's host optimizer and, where the
 device is the CPU itself, its compute and copies get ``1 / local ranks`` of the rates: ``per_rank`` scales
-them. Measured on 2 cores (``luwu bench e2e``), a rank of two computed at half the rate of one process on
-both cores, for gpt-tiny as for gpt-small (2.0x and 2.06x the compute time), although two lone pinned
-processes computing side by side, with no collectives between them, lost far less: the ranks' queue threads
-(collectives, copies, the optimizer) share the one core. A profile without ``_machine`` (written by hand,
-e.g. a paper's testbed) gives per-rank figures already and is used as it is.
+them. For the compute, how much a rank loses depends on the model: on 2 cores, ranks of two computed gpt-small
+in 1.91x the time of one process on both cores but gpt-tiny in 1.46x (its kernels use two cores poorly). So
+where the compute rate of a model is measured for ranks (``luwu bench e2e``), the ranks measure it side by
+side and the profile's rate is theirs times the ranks ([Note: the compute rate of ranks side by side] in
+cli/probes.py), which this division gives back. A profile without ``_machine`` (written by hand, e.g. a
+paper's testbed) gives per-rank figures already and is used as it is.
 """
 
 from __future__ import annotations

@@ -145,3 +145,16 @@ def test_the_testbed_profile_documents_every_figure():
     assert keys and keys <= set(values["_sources"]), f"no source for {sorted(keys - set(values['_sources']))}"
     profile, notes = read_profile(path)
     assert "_machine" not in notes and profile.net_gbps == 12.5  # 100 Gb/s
+
+
+def test_ranks_measure_their_compute_side_by_side():
+    """[Note: the compute rate of ranks side by side] (cli/probes.py): each of the ranks, pinned to its share of
+    the cores, measures the model at once; the rate is a rank's times the ranks, so that ``per_rank`` gives
+    back what a rank measured."""
+    from luwu_rt.cli import probes
+
+    got = probes.compute_rate("gpt-tiny", batch_size=1, seq_len=16, steps=2, ranks=2)
+    assert got["ranks"] == 2 and len(got["rank_flops"]) == 2 and all(f > 0 for f in got["rank_flops"])
+    assert got["flops"] == pytest.approx(sum(got["rank_flops"]))  # twice the median of two
+    with pytest.raises(RuntimeError, match="compute probe of rank [01] of 2 failed: .*no-such-model"):
+        probes.compute_rate("no-such-model", batch_size=1, seq_len=16, ranks=2)
