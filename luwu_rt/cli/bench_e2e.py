@@ -219,11 +219,15 @@ def breakdown(events: list[dict], *, step_s: float = 0.0) -> tuple[dict[str, flo
 
     spans: dict[str, list[tuple[float, float]]] = {}
     for e in events:
-        spans.setdefault(e["tid"], []).append((e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
+        # The previous step's tail runs on beside this step ([Note: steady state] in plan/steady.py), and its
+        # spans come with this step's trace, from before its start: only their part inside this step counts.
+        a, b = max(0.0, e["ts"] * 1e-6), (e["ts"] + e["dur"]) * 1e-6
+        if b >= a:
+            spans.setdefault(e["tid"], []).append((a, b))
     busy = {q: covered_s(s) for q, s in spans.items()}  # reads in flight together count once
     if not spans:
         return dict.fromkeys(_PARTS, 0.0), busy
-    start = min(0.0, *(a for s in spans.values() for a, _ in s))
+    start = 0.0
     end = max(step_s, *(b for s in spans.values() for _, b in s))
     cuts = sorted({start, end, *(t for s in spans.values() for span in s for t in span)})
     groups = (("communication", _COMM), ("io_wait", _IO), ("optimizer", ("optim",)))
@@ -323,12 +327,12 @@ def model_profiles(configs: list[Config], *, profile: str, directory: str,
                    say=lambda line: None) -> dict[Config, str]:
     """[Note: the compute rate of the model at hand]
     A calibration's ``compute_flops`` is the rate of the model it measured (``luwu calibrate --model``): a
-    small model's step is mostly per-op overhead and runs at a fraction of a large one's FLOP rate, and loses
-    So each model of ``configs`` gets a profile of its own in ``directory``: the calibration with
-    ``compute_flops`` measured on that model, batch and sequence (``probes.compute_rate``), as ``luwu calibrate
-    --model`` would. A
-    profile that is no calibration of this machine (no ``_machine`` note: ``builtin``, a testbed's) is used as
-    it is."""
+    small model's step is mostly per-op overhead and runs at a fraction of a large one's FLOP rate. So each
+    model of ``configs`` gets a profile of its own in ``directory``: the calibration with ``compute_flops``
+    measured on that model, batch and sequence (``probes.compute_rate``), as ``luwu calibrate --model`` would,
+    and for ranks that share the CPU by that many ranks side by side ([Note: the compute rate of ranks side by
+    side] in probes.py). A profile that is no calibration of this machine (no ``_machine`` note: ``builtin``,
+    a testbed's) is used as it is."""
     from luwu_rt.cli import probes
     from luwu_rt.engine.hwprofile import choose_profile
 
@@ -339,11 +343,15 @@ def model_profiles(configs: list[Config], *, profile: str, directory: str,
         base = json.load(f)
     out: dict[Config, str] = {}
     done: dict[tuple, str] = {}
+    on_cpu = base.get("_machine", {}).get("device") == "cpu"
     for c in configs:
-        key = (c.model, c.batch_size, c.seq_len, c.dtype)
+        # Ranks that share the CPU measure it side by side ([Note: the compute rate of ranks side by side]).
+        ranks = c.nproc if on_cpu else 1
+        key = (c.model, c.batch_size, c.seq_len, c.dtype) + ((f"x{ranks}",) if ranks > 1 else ())
         if key not in done:
-            say(f"compute rate of {c.model} (batch {c.batch_size} x {c.seq_len}, {c.dtype}) ...")
-            shape = dict(batch_size=c.batch_size, seq_len=c.seq_len, dtype=c.dtype)
+            say(f"compute rate of {c.model} (batch {c.batch_size} x {c.seq_len}, {c.dtype}"
+                f"{f', {ranks} ranks side by side' if ranks > 1 else ''}) ...")
+            shape = dict(batch_size=c.batch_size, seq_len=c.seq_len, dtype=c.dtype, ranks=ranks)
             one = probes.compute_rate(c.model, **shape)
             values = json.loads(json.dumps(base))
             values["compute_flops"] = one["flops"]

@@ -53,6 +53,16 @@ def test_the_breakdown_gives_each_instant_of_the_step_to_one_part():
     assert busy == pytest.approx({"compute": 0.006, "reduce": 0.003, "nvme_read": 0.003, "optim": 0.002})
 
 
+def test_the_breakdown_counts_the_previous_tail_from_the_steps_start():
+    """A steady-state trace carries the previous step's tail from before the step's start (negative times): its
+    part before 0 is the previous step's time, not this step's stall, and the parts still sum to the step."""
+    events = [_event("nvme_write", -700, -650), _event("nvme_write", -5, 2), _event("compute", 2, 9)]
+    parts, busy = breakdown(events, step_s=0.010)
+    assert parts == pytest.approx({"compute": 0.007, "communication": 0.0, "io_wait": 0.002, "optimizer": 0.0,
+                                   "stall": 0.001})
+    assert busy == pytest.approx({"nvme_write": 0.002, "compute": 0.007})
+
+
 def test_a_configuration_names_what_it_runs():
     c = Config(model="gpt-tiny", strategy="zero3", nproc=2, placement="nvme", grad_clip=0.0)
     assert c.label == "gpt-tiny zero3 x2 nvme no-clip"
