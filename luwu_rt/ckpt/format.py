@@ -68,7 +68,7 @@ import torch
 from luwu_rt.fs import fsync_dir
 
 __all__ = ["NODE_SNAPSHOT", "TRAINING", "CheckpointReader", "CheckpointWriter", "latest_checkpoint", "list_checkpoints",
-           "new_run_id", "run_checkpoints", "slice_name"]
+           "new_run_id", "run_checkpoints", "slice_name", "step_dir"]
 
 MANIFEST = "manifest.json"
 FORMAT = "luwu_rt.checkpoint/2"
@@ -164,7 +164,7 @@ class CheckpointWriter:
         self.root = Path(root)
         self.step = step
         self.kind = kind
-        self.final = self.root / f"step_{step:08d}"
+        self.final = step_dir(self.root, step)
         self._tensors: dict[str, dict[str, Any]] = {}
         if partial is not None:
             self.partial = Path(partial)
@@ -400,6 +400,11 @@ def run_checkpoints(root: str | os.PathLike, run_id: str) -> list[Path]:
 def slice_name(name: str, index: int, count: int) -> str:
     """The name of slice ``index`` of ``count`` of the tensor ``name``."""
     return f"{name}.slice{index}of{count}"
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of ``step`` under ``root`` is committed."""
+    return Path(root) / f"step_{step:08d}"
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
