@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "started on a DIR holding one resumes from it and the workers replay from its step")
     parser.add_argument("--snapshot-every", type=int, default=0, metavar="K",
                         help="snapshot after every K-th step (default 0: never; needs --snapshot-dir)")
+    parser.add_argument("--resume-step", type=int, default=None, metavar="S",
+                        help="resume from the snapshot of step S in --snapshot-dir rather than the newest (a node "
+                             "shard does this itself when another shard restarted at step S)")
     parser.add_argument("--shard", default="0/1", metavar="I/K",
                         help="this process is node shard I of K (default 0/1): it keeps 1/K of every unit; start K "
                              "of them and give the workers all K addresses in shard order (--node A0,A1,...)")
@@ -75,14 +78,15 @@ def run(args: argparse.Namespace) -> int:
     die_with_launcher()  # a node that luwu train --spawn-node started ends with it, even after a SIGKILL
     config = NodeConfig(bind=args.bind, num_workers=args.num_workers, host_mem=args.host_mem,
                         nvme_dir=args.nvme_dir, timeout=args.timeout, auth_keys=args.auth_keys,
-                        snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every, shard=args.shard)
+                        snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every, shard=args.shard,
+                        resume_step=args.resume_step)
     log, step_log = _logs(args.log_file, quiet=args.quiet)
     if args.log_file:
         log(f"per-step lines go to {args.log_file}")
     elif args.quiet:
         log("per-step lines are off (--quiet): --log-file FILE keeps them (under luwu train --spawn-node: "
             "--node-log FILE)")
-    service = NodeService(config, log=log, step_log=step_log)
+    service = NodeService(config, log=log, step_log=step_log, restart=_restart_hook())
     ready = threading.Event()
     if args.ready_file:
         def announce() -> None:
@@ -93,3 +97,26 @@ def run(args: argparse.Namespace) -> int:
 
         threading.Thread(target=announce, daemon=True).start()
     return service.serve(ready=ready)
+
+
+def _restart_hook():
+    """How this process starts anew on a snapshot ([Note: node shards that restart] in node/worker.py): it
+    replaces itself (``exec``) with the same command, at the address it is bound to (a port of ``*`` stays the
+    one the workers know) and from the snapshot of the step asked for. The kernel, not this process, ends its
+    threads, sockets and in-flight IO, as when a node is killed and started again. None when the command line
+    is not ``luwu node serve`` (the node runs inside another program, which restarts it itself)."""
+    import os
+    import sys
+
+    argv = sys.argv[1:]
+    if argv[:2] != ["node", "serve"]:
+        return None
+
+    def restart(step: int, address: str) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # argparse takes an option's last value: these override the ones given first.
+        os.execv(sys.executable, [sys.executable, "-m", "luwu_rt", *argv, "--bind", address,
+                                  "--resume-step", str(step)])
+
+    return restart

@@ -41,7 +41,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -52,7 +52,7 @@ from .chunks import Assembly, cut
 from .manifest import job_id, manifest_bytes
 from .protocol import CREDIT_CHUNKS, DTYPE_CODES, MAX_PAYLOAD_BYTES, F, Message, ProtocolError, T, decode, encode
 
-__all__ = ["NodeClient", "NodeError", "NodeLost"]
+__all__ = ["NodeClient", "NodeError", "NodeLost", "await_answer"]
 
 PARAMS = -1
 """The kind of an expected transfer that is a unit's parameters (else the index of an optimizer state)."""
@@ -282,6 +282,15 @@ class NodeClient:
                            epoch=self.epoch))
         return _Wait(self, transfer, f"worker {self.rank}: reading unit {unit}'s optimizer state after step {step}")
 
+    def rollback(self, step: int) -> None:
+        """Asks the node shard back to its snapshot of ``step`` (another shard restarted there: [Note: node shards
+        that restart] in worker.py) and waits until its new incarnation answers (``lost`` is set); raises
+        ``NodeError`` with the node's reason when it refuses, or when no new incarnation answers in time."""
+        self._send(Message(T.ROLLBACK, job=self.job, rank=self.rank, step=step, epoch=self.epoch))
+        await_answer(lambda: self.lost is not None, [self], self.timeout_s,
+                     f"worker {self.rank}: the optimizer node at {self.address} did not come back on its snapshot of "
+                     f"step {step} within {self.timeout_s:g}s (see its log); raise --timeout to wait longer")
+
     def begin(self, step: int) -> None:
         """Tells the node this worker starts ``step`` ([Note: between two steps] in steps.py)."""
         self._send(Message(T.BEGIN, job=self.job, rank=self.rank, step=step, epoch=self.epoch))
@@ -431,6 +440,19 @@ class NodeClient:
             with self._lock:
                 self._pulls.pop(key, None)
             transfer.done.set()
+
+
+def await_answer(ready: Callable[[], bool], clients: list[NodeClient], timeout_s: float, late: str) -> None:
+    """Polls until ``ready()``: an answer that the clients' receiver threads record. Raises ``NodeError`` with
+    a node's reason as soon as one of ``clients`` heard an ERROR, or with ``late`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        for c in clients:
+            if c.error is not None:
+                raise NodeError(c.error)
+        if time.monotonic() > deadline:
+            raise NodeError(late)
+        time.sleep(0.05)
 
 
 def _sent(dealer, frames: list) -> bool:

@@ -43,6 +43,9 @@ class NodeConfig:
     started on one that holds a snapshot resumes from it."""
     snapshot_every: int = 0
     """Snapshot after every K-th step (0: never)."""
+    resume_step: int | None = None
+    """Resume from the snapshot of this step rather than the newest (``--resume-step``): what a node shard does
+    when it goes back to the step another shard restarted at ([Note: node shards that restart] in worker.py)."""
     shard: str = "0/1"
     """``i/k``: this process is node shard i of k, owning 1/k of every unit ([Note: node shards] in shards.py)."""
     shard_index: int = field(init=False, default=0)
@@ -67,6 +70,11 @@ class NodeConfig:
             raise ValueError(f"--snapshot-every must be a whole number of steps >= 0, got {self.snapshot_every!r}")
         if self.snapshot_every and not self.snapshot_dir:
             raise ValueError("--snapshot-every needs --snapshot-dir DIR (a directory that survives restarts)")
+        if self.resume_step is not None:
+            if not isinstance(self.resume_step, int) or self.resume_step < 1:
+                raise ValueError(f"--resume-step must be a step >= 1 that a snapshot holds, got {self.resume_step!r}")
+            if not self.snapshot_dir:
+                raise ValueError("--resume-step needs --snapshot-dir DIR, the directory holding that step's snapshot")
         check_address(self.bind, flag="--bind", bind=True)
         if not is_loopback(self.bind) and not self.auth_keys:
             raise ValueError(f"--bind {self.bind}: binding anything but loopback needs --auth-keys DIR (CURVE keys "

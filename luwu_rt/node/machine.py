@@ -71,12 +71,14 @@ class NodeProtocol:
 
     def __init__(self, config: NodeConfig, *, make_runner: Callable[[dict], NodeRunner],
                  on_welcomed: Callable[[], None], between: queue.SimpleQueue, log: Callable[[str], None],
-                 hub: NormHub | None = None) -> None:
+                 hub: NormHub | None = None, rollback: Callable[[int], str] | None = None) -> None:
         """``make_runner(manifest)``: the runner of this node's shard of a run; ``on_welcomed()``: the
         workers are welcomed (the service starts the steps); ``between``: requests for the steps thread
-        ([Note: between two steps] in steps.py); ``hub``: shard 0's norm hub, with several node shards."""
+        ([Note: between two steps] in steps.py); ``hub``: shard 0's norm hub, with several node shards;
+        ``rollback(step)``: a worker's ROLLBACK, which replaces this node or says why it cannot."""
         self.config = config
         self.make_runner, self.on_welcomed = make_runner, on_welcomed
+        self.rollback = rollback
         self.between, self.log, self.hub = between, log, hub
         self.epoch = secrets.randbits(31) + 1
         self.rejects: Counter[str] = Counter()
@@ -114,9 +116,10 @@ class NodeProtocol:
         self._begun = 0
         self._messages: dict[int, Callable[[bytes, Message], None]] = {
             T.INIT: self._init_chunk, T.HEARTBEAT: self._heartbeat, T.PUSH_GRAD: self._push,
-            T.PULL_PARAM: self._pull, T.BEGIN: self._begin, T.GET_STATE: self._get_state}
+            T.PULL_PARAM: self._pull, T.BEGIN: self._begin, T.GET_STATE: self._get_state,
+            T.ROLLBACK: self._rollback}
         """Handlers of a joined worker's messages, by type (HELLO and NORM come from anyone: ``handle``)."""
-        self._during_run = {T.PUSH_GRAD, T.PULL_PARAM, T.BEGIN, T.GET_STATE}
+        self._during_run = {T.PUSH_GRAD, T.PULL_PARAM, T.BEGIN, T.GET_STATE, T.ROLLBACK}
         """Messages only taken once the workers were welcomed, of this node's incarnation."""
         self._events: dict[type, Callable] = {UnitServed: self._served, NormsKnown: self._norms_known,
                                               StepDone: self._step_done, StateRead: self._state_read,
@@ -394,6 +397,16 @@ class NodeProtocol:
             raise ProtocolError("range", f"GET_STATE of unit {msg.unit} state {msg.chunk}")
         self.between.put(ReadState(identity, msg))
 
+    def _rollback(self, identity: bytes, msg: Message) -> None:
+        """Another node shard restarted at ``msg.step``: back to this shard's snapshot of it ([Note: node shards
+        that restart] in worker.py); the worker hears why not, if not."""
+        if self.config.num_shards == 1 or not 1 <= msg.step:
+            raise ProtocolError("rollback", f"ROLLBACK to step {msg.step} of a node of {self.config.num_shards} "
+                                            f"shard(s)")
+        problem = self.rollback(msg.step) if self.rollback is not None else "this node cannot go back to a snapshot"
+        if problem:
+            self.refuse(identity, problem)
+
     def _norm(self, identity: bytes, msg: Message) -> None:
         """A node shard's partial norm ([Note: node shards] in shards.py); only shard 0 takes them."""
         if self.hub is None:
@@ -403,7 +416,7 @@ class NodeProtocol:
         if msg.dtype != DTYPE_CODES["float64"] or msg.rank == 0:
             raise ProtocolError("norm", "a NORM carries one float64 from shard 1..k-1")
         (value,) = unpack_norms(msg.payload, 1)
-        self.hub.offer(msg.step, msg.rank, value, identity)
+        self.hub.offer(msg.step, msg.rank, value, identity, epoch=msg.epoch)
 
     # -- outgoing ranges and events of other threads ----------------------------------------------
 

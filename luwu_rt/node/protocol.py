@@ -50,6 +50,9 @@ Per message type (W: worker -> node, N: node -> worker):
   STATE      N  those fp32 bytes at ``offset``, ``chunk`` = the state's index; flag
                 ``LAST`` on the final one.
   ERROR      N  payload: a UTF-8 line naming the problem and the fix.
+  ROLLBACK   W  another node shard restarted on its snapshot of ``step``: this shard goes back to its
+                own snapshot of that step, as a new incarnation, and the workers rejoin every shard
+                there ([Note: node shards that restart] in worker.py).
 Type 7 was SNAPSHOT, reserved and never sent (snapshots are files: [Note: node snapshots] in snapshot.py);
 it has no name now, so it decodes as an unknown type, and its number stays unused so the others keep theirs.
 """
@@ -66,12 +69,12 @@ __all__ = ["CREDIT_CHUNKS", "DTYPES", "HEADER", "INIT_STATES", "MAGIC", "MAX_PAY
            "ProtocolError", "T", "VERSION", "F", "decode", "encode", "old_version", "peek"]
 
 MAGIC = b"LUWU"
-VERSION = 4
+VERSION = 5
 """2: STATS, WELCOME with ``adam_step``, heartbeats answered with the node's epoch. 3: CRC-32C instead of
 zlib's CRC32; NORM between node shards; WELCOME names the node's shard; BEGIN, GET_STATE and STATE. 4: the
 manifest names the run's gradient codec, and a compressed push carries its payload bytes (dtype ``uint8``,
 [Note: compressed pushes] in plan/codec.py); a HELLO of an older version is answered with an ERROR that
-side can read (``encode`` with its ``version``)."""
+side can read (``encode`` with its ``version``). 5: ROLLBACK; a NORM carries its shard's epoch."""
 OLDEST_HEADER = 3
 """The oldest version whose header and CRC are this one's: the node can answer its HELLO with an ERROR."""
 HEADER = struct.Struct("<4sBBHIIIiIQQB3xII")
@@ -90,9 +93,10 @@ class T:
 
     HELLO, WELCOME, PUSH_GRAD, PARAM, PULL_PARAM, HEARTBEAT = range(1, 7)
     # 7 was SNAPSHOT, never sent: unused, so that the types after it keep their numbers on the wire.
-    ERROR, ACK, INIT, STATS, NORM, BEGIN, GET_STATE, STATE = range(8, 16)
+    ERROR, ACK, INIT, STATS, NORM, BEGIN, GET_STATE, STATE, ROLLBACK = range(8, 17)
     NAMES = {1: "HELLO", 2: "WELCOME", 3: "PUSH_GRAD", 4: "PARAM", 5: "PULL_PARAM", 6: "HEARTBEAT",
-             8: "ERROR", 9: "ACK", 10: "INIT", 11: "STATS", 12: "NORM", 13: "BEGIN", 14: "GET_STATE", 15: "STATE"}
+             8: "ERROR", 9: "ACK", 10: "INIT", 11: "STATS", 12: "NORM", 13: "BEGIN", 14: "GET_STATE", 15: "STATE",
+             16: "ROLLBACK"}
 
 
 class F:

@@ -35,7 +35,7 @@ from .machine import NodeProtocol
 from .protocol import INIT_STATES
 from .runner import NodeRunner
 from .shards import NormHub, NormLink
-from .snapshot import SnapshotDir
+from .snapshot import KEEP_SNAPSHOTS, SnapshotDir
 from .steps import NodeSteps
 
 __all__ = ["NodeConfig", "NodeService"]
@@ -49,10 +49,15 @@ class NodeService:
     """An optimizer node: the protocol, the socket loop and the steps of one run ([Note: the node's threads])."""
 
     def __init__(self, config: NodeConfig, *, run_steps: bool = True, log: Callable[[str], None] | None = None,
-                 step_log: Callable[[str], None] | None = None, chaos="env") -> None:
+                 step_log: Callable[[str], None] | None = None, chaos="env",
+                 restart: Callable[[int, str], None] | None = None) -> None:
         """``log``: the node's lines (default: stderr); ``step_log``: its per-step lines (default: ``log``);
-        ``chaos``: the node executor's chaos mode, ``"env"`` reads ``LUWU_CHAOS_SEED`` (exec/chaos.py)."""
+        ``chaos``: the node executor's chaos mode, ``"env"`` reads ``LUWU_CHAOS_SEED`` (exec/chaos.py);
+        ``restart(step, address)``: starts this node anew on its snapshot of ``step``, listening at the
+        ``address`` it is bound to, in place of this one (``luwu node serve`` replaces its process); without
+        it the node refuses to go back to a snapshot ([Note: node shards that restart] in worker.py)."""
         self.config = config
+        self.restart = restart
         self.run_steps = run_steps
         self.chaos = chaos
         self.log = log or _stderr
@@ -70,7 +75,7 @@ class NodeService:
         self.link: NormLink | None = None
         """Shard i > 0: its line to shard 0's hub."""
         self.protocol = NodeProtocol(config, make_runner=self._make_runner, on_welcomed=self._welcomed,
-                                     between=between, log=self.log, hub=self.hub)
+                                     between=between, log=self.log, hub=self.hub, rollback=self._rollback)
         self.snapshots = None
         if config.snapshot_dir:
             self.snapshots = SnapshotDir(config.snapshot_dir, shard=(config.shard_index, config.num_shards),
@@ -105,7 +110,8 @@ class NodeService:
         come from there, so the workers' HELLOs only have to agree with it (no INIT)."""
         if self.snapshots is None:
             return
-        snap = self.snapshots.latest()
+        step = self.config.resume_step
+        snap = self.snapshots.latest() if step is None else self.snapshots.at(step)
         if snap is None:
             self.protocol.no_snapshot = self.snapshots.absence()
             return
@@ -132,12 +138,35 @@ class NodeService:
                 public, secret, _ = server_keys(c.auth_keys)
                 curve = (public, secret, public)  # shard 0 has the same key pair ([Note: node keys] in auth.py)
             self.link = NormLink(manifest["nodes"][0], shard=c.shard_index, count=c.num_shards, job=job_id(manifest),
-                                 timeout_s=c.timeout, curve=curve)
+                                 timeout_s=c.timeout, epoch=self.protocol.epoch, curve=curve)
             exchange = self.link.exchange
         return NodeRunner(manifest, num_workers=c.num_workers, host_bytes=c.host_mem, nvme_dir=c.nvme_dir,
                           timeout_s=c.timeout, on_served=lambda unit, step: self.mailbox.post(UnitServed(unit, step)),
                           io_backend=c.io_backend, chaos=self.chaos, shard_index=c.shard_index,
                           num_shards=c.num_shards, exchange_norms=exchange, **resume)
+
+    def _rollback(self, step: int) -> str:
+        """A worker asks this shard back to its snapshot of ``step`` ([Note: node shards that restart] in
+        worker.py): once no snapshot is being written, ``restart`` replaces this node. Returns why it cannot
+        (the ERROR the worker gets); returns only then, or with an in-process ``restart``."""
+        c = self.config
+        if self.snapshots is None:
+            return (f"node shard {c.shard} was started without --snapshot-dir, so it cannot go back to step {step}, "
+                    f"where another shard restarted: resume the workers from their last checkpoint (luwu train "
+                    f"--resume) against fresh node shards")
+        if not self.snapshots.holds(step):
+            return (f"node shard {c.shard} holds no snapshot of step {step} in {self.snapshots.root}, where another "
+                    f"shard restarted (snapshots are kept for the newest {KEEP_SNAPSHOTS} steps): resume the workers "
+                    f"from their last checkpoint (luwu train --resume) against node shards on empty snapshot "
+                    f"directories")
+        if self.restart is None:
+            return (f"node shard {c.shard} runs inside another program, which did not say how to restart it: start "
+                    f"it again with --resume-step {step} on its --snapshot-dir")
+        self.snapshots.freeze()
+        self.log(f"another node shard restarted at step {step}: going back to this shard's snapshot of it "
+                 f"(a new incarnation at {self.address})")
+        self.restart(step, self.address)
+        return ""
 
     def _welcomed(self) -> None:
         if self.run_steps:

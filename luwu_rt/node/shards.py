@@ -20,7 +20,11 @@ to shard 0 over a DEALER of their own (``NormLink``), and shard 0 (``NormHub``)
 answers every shard with all k partials in shard order once it has them. Every
 shard sums them in that order in float64, so all compute the same bits. A
 shard resends its NORM every second until answered: the order in which shards
-start does not matter, and a repeated NORM only repeats the answer. Over CURVE
+start does not matter, and a repeated NORM only repeats the answer. A NORM
+carries its shard's epoch: after shards restart ([Note: node shards that
+restart] in worker.py) a partial that an earlier incarnation of a shard left at
+shard 0 is dropped once that shard's new incarnation is heard from, so a step
+run again never sums a partial of the run it replaces. Over CURVE
 a shard connects to shard 0 with the node's own key pair (the shards share the
 ``--auth-keys`` directory), which shard 0's authenticator admits beside the
 workers' keys.
@@ -81,15 +85,22 @@ class NormHub:
         self.count, self.timeout_s, self.on_complete = count, timeout_s, on_complete
         self.partials: dict[int, dict[int, float]] = {}
         self.answers: dict[int, list[float]] = {}
+        self.epochs: dict[int, int] = {}
+        """shard -> the epoch of its incarnation heard last (0 for shard 0's own partials)."""
         self.peers: dict[int, dict[int, bytes]] = {}
         """step -> shard -> socket identity the answer goes to."""
         self.cond = threading.Condition()
 
-    def offer(self, step: int, shard: int, value: float, identity: bytes | None = None) -> None:
-        """Files a partial (shard 0's own from its runner, the others' from NORM messages)."""
+    def offer(self, step: int, shard: int, value: float, identity: bytes | None = None, *, epoch: int = 0) -> None:
+        """Files a partial (shard 0's own from its runner, the others' from NORM messages, with the epoch of
+        the sending shard's incarnation)."""
         if not 0 <= shard < self.count:
             raise ProtocolError("norm", f"NORM from shard {shard} of {self.count}")
         with self.cond:
+            if self.epochs.setdefault(shard, epoch) != epoch:  # the shard restarted: its old partials are void
+                self.epochs[shard] = epoch
+                for parts in self.partials.values():
+                    parts.pop(shard, None)
             if identity is not None:
                 self.peers.setdefault(step, {})[shard] = identity
             if step in self.answers:  # a repeat: answer again
@@ -134,9 +145,11 @@ class NormHub:
 class NormLink:
     """Shard i > 0's side: a DEALER to shard 0 on a thread of its own (ZeroMQ sockets stay on one thread)."""
 
-    def __init__(self, address: str, *, shard: int, count: int, job: int, timeout_s: float,
+    def __init__(self, address: str, *, shard: int, count: int, job: int, timeout_s: float, epoch: int,
                  curve: tuple[bytes, bytes, bytes] | None = None) -> None:
         self.address, self.shard, self.count, self.job, self.timeout_s = address, shard, count, job, timeout_s
+        self.epoch = epoch
+        """This shard's incarnation, sent with each NORM."""
         self.curve = curve
         self.answers: dict[int, list[float]] = {}
         self.cond = threading.Condition()
@@ -182,7 +195,7 @@ class NormLink:
                 if pending and time.monotonic() - sent_at > RESEND_S:
                     for step, value in pending.items():
                         dealer.send_multipart(encode(Message(T.NORM, job=self.job, rank=self.shard, step=step,
-                                                             dtype=DTYPE_CODES["float64"],
+                                                             epoch=self.epoch, dtype=DTYPE_CODES["float64"],
                                                              payload=pack_norms([value])),
                                                      checksum=self.curve is None))
                     sent_at = time.monotonic()

@@ -19,9 +19,11 @@ removed, and training goes on: the run is only less protected until a later
 snapshot succeeds.
 
 A node started on a directory with a snapshot resumes from the newest one
-that verifies (every file against its checksum, every unit and state there):
-it serves that step's parameters and WELCOMEs the workers there; the workers
-replay from it ([Note: a node that restarts] in worker.py). Unlike
+that verifies (every file against its checksum, every unit and state there;
+with ``--resume-step s``, the one of step s, which must verify: a shard going
+back to the step another shard restarted at): it serves that step's
+parameters and WELCOMEs the workers there; the workers replay from it
+([Note: a node that restarts] in worker.py). Unlike
 ``--nvme-dir`` (scratch, rebuilt at start), this directory must survive
 restarts; the node holds its lock ([Note: directory locks] in fs.py) while it
 runs. Snapshots of luwu_rt before this format (a ``meta.json`` per snapshot)
@@ -34,13 +36,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from luwu_rt.ckpt.format import NODE_SNAPSHOT, CheckpointReader, CheckpointWriter, list_checkpoints
+from luwu_rt.ckpt.format import NODE_SNAPSHOT, CheckpointReader, CheckpointWriter, list_checkpoints, step_dir
 from luwu_rt.fs import DirLock, lock_dir
 
 from .manifest import model_spec
@@ -159,6 +162,8 @@ class SnapshotDir:
         """``"step_<s>: why"`` of each damaged snapshot the node passed over at start."""
         self.newest: Path | None = None
         """The newest snapshot on disk that the node resumed from or wrote."""
+        self._writing = threading.Lock()
+        """Held while a snapshot is written, and for good by ``freeze``."""
 
     def close(self) -> None:
         if self.lock is not None:
@@ -191,10 +196,42 @@ class SnapshotDir:
         self.newest = snap.path if snap is not None else None
         return snap
 
+    def at(self, step: int) -> Snapshot:
+        """The snapshot of ``step``, verified; raises ``ValueError`` naming the directory and the steps it holds
+        when there is none, or it is damaged."""
+        path = step_dir(self.root, step)
+        try:
+            snap = verify_snapshot(path)
+        except (ValueError, OSError) as exc:
+            held = [p.name for p in list_checkpoints(self.root)]
+            raise ValueError(f"--snapshot-dir {self.root} holds no whole snapshot of step {step} ({exc}; it holds "
+                             f"{', '.join(held) or 'none'})") from None
+        self.newest = snap.path
+        return snap
+
+    def holds(self, step: int) -> bool:
+        """Whether a committed snapshot of ``step`` is here (its manifest reads; the files are verified by
+        ``at``, when a node resumes from it)."""
+        try:
+            CheckpointReader(step_dir(self.root, step), kind=NODE_SNAPSHOT)
+        except (ValueError, OSError):
+            return False
+        return True
+
+    def freeze(self) -> None:
+        """Waits for a snapshot being written, and lets no other start: the node is about to go back to one
+        ([Note: node shards that restart] in worker.py), whose directory must stay as it is."""
+        self._writing.acquire()
+
     def write(self, *, manifest: dict[str, Any], step: int, adam_step: int,
               states: Iterable[tuple[tuple[int, str], torch.Tensor]]) -> Path | None:
         """Writes the snapshot of ``step``; a failed write is logged with its path and cleaned up, and
         returns None: training goes on ([Note: node snapshots])."""
+        with self._writing:
+            return self._write(manifest=manifest, step=step, adam_step=adam_step, states=states)
+
+    def _write(self, *, manifest: dict[str, Any], step: int, adam_step: int,
+               states: Iterable[tuple[tuple[int, str], torch.Tensor]]) -> Path | None:
         try:
             self.newest = write_snapshot(self.root, manifest=manifest, step=step, adam_step=adam_step, states=states,
                                          shard=self.shard)

@@ -44,6 +44,27 @@ per compressed parameter each, held only when the run compresses and the
 node snapshots. A node back at a step whose copy the worker no longer holds
 is refused, naming the steps it holds.
 
+[Note: node shards that restart]
+With k node shards, one that is killed and restarted comes back at its
+snapshot's step s while the others hold the state of a later step, and a
+replay needs every slice of every unit at step s. So after the workers agree
+that a shard was lost (as above), each one reconnects to the shards whose new
+incarnation answered it and learns their steps; every other shard, and a
+restarted one that came back at a later step, is sent ROLLBACK to the lowest
+of them, s. A shard told so waits for a snapshot it may be writing, then
+``luwu node serve`` replaces its own process with the same command at the
+same address and ``--resume-step s``: that is a kill and a restart, on the
+shard's own snapshot of s, which it holds (all shards snapshot the same
+steps, the newest two kept), and which the kernel, not the old process,
+clears the way for (its threads, its sockets, its IO in flight). Each worker
+waits until the shard answers as a new incarnation, reconnects, and, once
+every shard welcomed it at s, pulls each unit's slices from their shards and
+replays from s as above. A shard without that snapshot (or without
+``--snapshot-dir``, or run inside another program that gave no way to
+restart it) refuses the ROLLBACK by name, and the workers stop with its line.
+Partial norms that the old incarnations left at shard 0 are dropped by their
+epoch ([Note: node shards] in shards.py).
+
 A compressed unit ([Note: compressed pushes] in plan/codec.py) is encoded by
 the plan's ``Encode`` (the data-parallel strategies' handler, which the engine
 gives this worker) into ``grad_code``, one piece per node shard, with the
@@ -68,7 +89,7 @@ from luwu_rt.plan import ModelSpec, SwapPlan
 from luwu_rt.plan.codec import parse_codec
 from luwu_rt.store import TieredStore
 
-from .client import NodeClient, NodeError, NodeLost
+from .client import NodeClient, NodeError, NodeLost, await_answer
 from .config import check_address
 from .protocol import INIT_STATES
 from .shards import slice_of
@@ -300,35 +321,64 @@ class NodeWorker:
             del self._residuals[old]
 
     def _rejoin(self, target: int) -> int:
-        """A new connection to the restarted node; the store gets the parameters of the node's step, which it
-        returns (the run resumes after it, Adam's count where the node's snapshot had it)."""
-        if len(self.clients) > 1:
-            raise NodeError(f"worker {self.rank}: a node shard restarted; rejoining several node shards is not "
-                            f"built yet (only a single node resumes from its snapshot): restart the run")
-        self.clients[0].close(bye=False)
-        self.clients[0] = self._client(self.address)
-        welcome = self.client.connect(self._manifest, None, step=target)
-        step = int(welcome["step"])
-        if step >= target:
-            raise NodeError(f"the optimizer node at {self.address} resumed at step {step}, past this worker's step "
-                            f"{target}: its snapshot directory holds another run's snapshot")
+        """New connections to the node shards, all at the step of the snapshot a restarted one resumed from
+        ([Note: node shards that restart]); the store gets the parameters of that step, which it returns (the
+        run resumes after it, Adam's count where the snapshots had it)."""
+        at = {j: self._reconnect(j, target) for j in self._restarted()}  # shard -> (step, Adam step) it welcomed at
+        for _ in range(2 * len(self.clients)):  # each round leaves fewer shards elsewhere, or raises
+            step = min(s for s, _ in at.values())
+            behind = [j for j in range(len(self.clients)) if at.get(j, (None,))[0] != step]
+            if not behind:
+                break
+            for j in behind:
+                if self.clients[j].lost is None:  # this worker's connection is to a live incarnation
+                    self.clients[j].rollback(step)
+                at[j] = self._reconnect(j, target)
+        else:
+            raise NodeError(f"worker {self.rank}: the node shards did not come back at one step (at {at}): see their "
+                            f"logs")
         if self.compress != "none" and step not in self._residuals:
             raise NodeError(f"the optimizer node at {self.address} resumed at step {step}, but this worker keeps its "
                             f"residuals (--compress {self.compress}) of steps {sorted(self._residuals)} only, so a "
                             f"replay would not be the run's: restart the node on an empty --snapshot-dir and resume "
                             f"the workers from their last checkpoint (luwu train --resume)")
-        print(f"luwu worker {self.rank}: the optimizer node at {self.address} restarted at step {step}; "
-              f"replaying steps {step + 1}..{target}", file=sys.stderr, flush=True)
+        what = "the optimizer node" if len(self.clients) == 1 else f"the {len(self.clients)} optimizer node shards"
+        print(f"luwu worker {self.rank}: {what} at {self.address} came back at step {step}; replaying steps "
+              f"{step + 1}..{target}", file=sys.stderr, flush=True)
         for unit, spec in enumerate(self.model.units):
             buf = torch.empty(spec.num_params, dtype=self.param_dtype)
-            self.client.pull(step, unit, [(0, buf)]).wait()
+            raw, size = buf.view(torch.uint8), buf.element_size()
+            WaitAll([c.pull(step, unit, [(0, raw[lo * size:hi * size])]) for j, c in enumerate(self.clients)
+                     for lo, hi in [self._range(unit, j)] if hi > lo]).wait()
             self.store.write_state(unit, "param", buf)
         for unit, residual in self._residuals.get(step, {}).items():  # the error feedback of step ``step``
             self.store.write_state(unit, "residual", residual)
         self.store.flush()
-        self.start_at(step=step, adam_step=int(welcome["adam_step"]))
+        self.start_at(step=step, adam_step=at[0][1])
         self.rejoins += 1
         return step
+
+    def _restarted(self) -> list[int]:
+        """The shards whose new incarnation answered this worker, once one has: the other workers' "lost" flag
+        may have come before this worker heard of it itself."""
+        await_answer(lambda: any(c.lost is not None for c in self.clients), self.clients, self.timeout_s,
+                     f"worker {self.rank}: another worker lost an optimizer node shard, but none of {self.address} "
+                     f"answered this worker as a new incarnation within {self.timeout_s:g}s; raise --timeout to "
+                     f"wait longer")
+        return [j for j, c in enumerate(self.clients) if c.lost is not None]
+
+    def _reconnect(self, shard: int, target: int) -> tuple[int, int]:
+        """A new connection to node shard ``shard`` (a HELLO of a rejoin at ``target``, no INIT); returns the step
+        and Adam step of the snapshot its incarnation resumed from."""
+        address = self.addresses[shard]
+        self.clients[shard].close(bye=False)
+        self.clients[shard] = self._client(address)
+        welcome = self.clients[shard].connect(self._manifest, None, step=target)
+        step = int(welcome["step"])
+        if step >= target:
+            raise NodeError(f"the optimizer node at {address} resumed at step {step}, past this worker's step "
+                            f"{target}: its snapshot directory holds another run's snapshot")
+        return step, int(welcome["adam_step"])
 
     # -- the plan's handlers ------------------------------------------------------------------------
 

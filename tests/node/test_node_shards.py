@@ -154,6 +154,22 @@ def test_the_norm_hub_answers_every_shard_in_shard_order() -> None:
     assert hub.replies(7)[0][1] == [1.0, 2.0, 4.0] and done == [7, 7]
 
 
+def test_a_partial_of_a_shards_earlier_incarnation_is_dropped() -> None:
+    """Shard 1's old incarnation left its partial of step 6 at shard 0 before it went back to step 4 ([Note: node
+    shards that restart] in node/worker.py); once its new incarnation is heard from, step 6 waits for the new
+    one's partial and never sums the old."""
+    done = []
+    hub = NormHub(2, timeout_s=5.0, on_complete=done.append)
+    hub.offer(6, 1, 111.0, b"old", epoch=5)
+    hub.offer(5, 1, 1.0, b"new", epoch=7)
+    hub.offer(5, 0, 2.0)
+    assert hub.answers[5] == [2.0, 1.0] and done == [5]
+    hub.offer(6, 0, 3.0)
+    assert 6 not in hub.answers, "the old incarnation's partial was summed"
+    hub.offer(6, 1, 4.0, b"new", epoch=7)
+    assert hub.answers[6] == [3.0, 4.0] and done == [5, 6]
+
+
 def test_a_worker_naming_the_wrong_number_of_shards_is_refused() -> None:
     from test_protocol import manifest
 

@@ -70,7 +70,8 @@ def test_wire_numbers_stay_those_older_peers_speak() -> None:
     (SNAPSHOT, reserved and never sent) has no name and decodes as an unknown type, its number unused."""
     assert {name: getattr(T, name) for name in T.NAMES.values()} == {
         "HELLO": 1, "WELCOME": 2, "PUSH_GRAD": 3, "PARAM": 4, "PULL_PARAM": 5, "HEARTBEAT": 6, "ERROR": 8,
-        "ACK": 9, "INIT": 10, "STATS": 11, "NORM": 12, "BEGIN": 13, "GET_STATE": 14, "STATE": 15}
+        "ACK": 9, "INIT": 10, "STATS": 11, "NORM": 12, "BEGIN": 13, "GET_STATE": 14, "STATE": 15,
+        "ROLLBACK": 16}
     assert not hasattr(T, "SNAPSHOT")
     with pytest.raises(ProtocolError) as info:
         decode([_header(type=7, nbytes=0, checksum=0)])
@@ -259,7 +260,7 @@ def test_an_older_workers_hello_is_refused_naming_both_versions() -> None:
     assert identity == b"w1" and fields[1] == 3 and fields[2] == T.ERROR
     assert fields[-1] == crc32c(frames[1])
     text = bytes(frames[1]).decode()
-    assert "worker 1 speaks node protocol version 3, this node version 4" in text, text
+    assert f"worker 1 speaks node protocol version 3, this node version {VERSION}" in text, text
     assert any("worker 1 speaks node protocol version 3" in line for line in lines), lines
     assert service.rejects["version"] == 1 and service.manifest is None and not service.protocol.hellos
     # Anything else of another version is dropped unanswered, as before: a HELLO without its manifest too.

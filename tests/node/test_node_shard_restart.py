@@ -1,0 +1,121 @@
+"""Two node shards with snapshots, and one of them killed: shard 0 (the one the norms meet at) is SIGKILLed
+mid-run and restarted on its snapshot directory; the live shard 1 is sent ROLLBACK, replaces its own process
+at its snapshot of the same step, and the workers rejoin both and replay ([Note: node shards that restart] in
+node/worker.py). The run ends with the losses and grad norms of an uninterrupted two-shard run bit for bit,
+the killed run in the chaos mode (workers and nodes). And a shard that cannot go back, because it holds no
+snapshot of that step, refuses by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import node_jobs
+from ranks import free_port, run_ranks
+from test_node_snapshot import _wait_for
+
+from luwu_rt.exec.chaos import CHAOS_ENV
+from luwu_rt.node.snapshot import latest_snapshot
+from luwu_rt.node.steps import HALT_ENV
+
+WORKERS = 2
+HALT_AFTER = 5  # snapshots every 2 steps: shard 0 dies with step 4 on disk, shard 1 goes back to its step 4
+STEPS = 8
+
+
+def _shard(ports: list[int], index: int, snapshots: Path, log: Path, *extra: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "luwu_rt", "node", "serve", "--bind",
+                             f"tcp://127.0.0.1:{ports[index]}", "--num-workers", str(WORKERS), "--host-mem", "64MiB",
+                             "--timeout", "60", "--shard", f"{index}/{len(ports)}", "--snapshot-dir", str(snapshots),
+                             "--snapshot-every", "2", *extra],
+                            env={**os.environ, CHAOS_ENV: "", **env}, stderr=open(log, "a"))
+
+
+def _address(ports: list[int]) -> str:
+    return ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+
+
+def test_a_killed_node_shard_and_the_live_one_go_back_to_one_snapshot(tmp_path):
+    plain, killed = [free_port(), free_port()], [free_port(), free_port()]
+    log = {name: tmp_path / f"{name}.log" for name in ("plain0", "plain1", "killed0", "killed1", "restarted0")}
+    procs = [_shard(plain, i, tmp_path / f"plain{i}", log[f"plain{i}"]) for i in range(2)]
+    first = _shard(killed, 0, tmp_path / "killed0", log["killed0"], **{HALT_ENV: str(HALT_AFTER), CHAOS_ENV: "53"})
+    live = _shard(killed, 1, tmp_path / "killed1", log["killed1"], **{CHAOS_ENV: "59"})
+    procs += [first, live]
+    try:
+        runs = [("plain", {"strategy": "node", "node": _address(plain), "timeout": 60}, ""),
+                ("killed", {"strategy": "node", "node": _address(killed), "timeout": 60}, "61")]
+        results: list = []
+        ranks = threading.Thread(target=lambda: results.append(
+            run_ranks(node_jobs.train_metrics, WORKERS, runs, ("killed",), STEPS)), daemon=True)
+        ranks.start()
+        _wait_for(log["killed0"], f"halted after step {HALT_AFTER}", first)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        assert latest_snapshot(tmp_path / "killed0").step == 4
+        second = _shard(killed, 0, tmp_path / "killed0", log["restarted0"], **{CHAOS_ENV: "67"})
+        procs.append(second)
+        ranks.join(300)
+        assert results, "the workers did not finish"
+        # The live shard's process replaced itself (same pid) and ran on to the end.
+        assert second.wait(60) == 0 and live.wait(60) == 0
+        assert all(p.wait(60) == 0 for p in procs[:2])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    shard1 = log["killed1"].read_text()
+    assert "going back to this shard's snapshot of it" in shard1, shard1[-3000:]
+    assert "resumed run" in shard1 and "(step 4)" in shard1, shard1[-3000:]
+    for rank in range(WORKERS):
+        got = results[0][rank]
+        assert got["killed"]["rejoins"] == 1 and got["killed"]["replayed"] in (0, 1), got["killed"]
+        assert got["killed"]["loss"] == got["plain"]["loss"], "a node shard's restart changed the losses"
+        assert got["killed"]["grad_norm"] == got["plain"]["grad_norm"]
+
+
+def test_a_shard_without_the_snapshot_refuses_to_go_back(tmp_path):
+    """The service's side of a ROLLBACK, in this process: a shard asked back to a step it holds no snapshot of
+    says so, naming the directory; one that holds it waits for no write and hands the step and its address to
+    its restart hook; one run inside a program that gave no hook says how to restart it."""
+    import pytest
+    import torch
+    from test_protocol import SIZES, manifest
+
+    from luwu_rt.node.protocol import INIT_STATES
+    from luwu_rt.node.service import NodeConfig, NodeService
+    from luwu_rt.node.shards import slice_of
+    from luwu_rt.node.snapshot import write_snapshot
+
+    m = {**manifest(), "nodes": ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]}
+    snaps = tmp_path / "snaps"
+    for step in (2, 4):  # shard 1's slices of every unit
+        states = [((u, s), torch.full((slice_of(n, 1, 2)[1],), float(step))) for u, n in enumerate(SIZES)
+                  for s in INIT_STATES]
+        write_snapshot(snaps, manifest=m, step=step, adam_step=step, states=states, shard=[1, 2])
+    asked: list[tuple[int, str]] = []
+    config = NodeConfig(num_workers=2, host_mem="16MiB", snapshot_dir=str(snaps), shard="1/2")
+    service = NodeService(config, run_steps=False, log=print, chaos=None,
+                          restart=lambda step, address: asked.append((step, address)))
+    try:
+        assert service.resumed_from == 4
+        assert "holds no snapshot of step 6" in service._rollback(6)
+        assert service._rollback(2) == "" and asked == [(2, config.bind)]
+        service.restart = None
+        assert "start it again with --resume-step 2" in service._rollback(2)
+    finally:
+        service._close()
+    again = NodeService(NodeConfig(num_workers=2, host_mem="16MiB", snapshot_dir=str(snaps), shard="1/2",
+                                   resume_step=2), run_steps=False, log=print, chaos=None)
+    try:
+        assert again.resumed_from == 2 and again.runner.step == 2
+    finally:
+        again._close()
+    with pytest.raises(ValueError, match=r"holds no whole snapshot of step 3 .*step_00000002, step_00000004"):
+        NodeService(NodeConfig(num_workers=2, host_mem="16MiB", snapshot_dir=str(snaps), shard="1/2", resume_step=3),
+                    run_steps=False, log=print, chaos=None)
