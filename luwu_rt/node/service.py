@@ -106,12 +106,18 @@ class NodeService:
         self.protocol.handle(identity, frames)
 
     def _restore(self) -> None:
-        """Resumes from the newest snapshot in ``snapshot_dir``: the run's manifest, its states and its step
-        come from there, so the workers' HELLOs only have to agree with it (no INIT)."""
+        """Resumes from the newest snapshot in ``snapshot_dir``, or from the one of ``resume_step``: the run's
+        manifest, its states and its step come from there, so the workers' HELLOs only have to agree with it (no
+        INIT). Without it the node still serves, and a worker that rejoins is told why."""
         if self.snapshots is None:
             return
         step = self.config.resume_step
-        snap = self.snapshots.latest() if step is None else self.snapshots.at(step)
+        try:
+            snap = self.snapshots.latest() if step is None else self.snapshots.at(step)
+        except ValueError as exc:  # the workers that wait for this shard's step hear why, not a timeout
+            self.log(f"cannot resume at step {step}: {exc}")
+            self.protocol.no_snapshot = str(exc)
+            return
         if snap is None:
             self.protocol.no_snapshot = self.snapshots.absence()
             return

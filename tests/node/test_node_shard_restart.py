@@ -15,11 +15,17 @@ import threading
 from pathlib import Path
 
 import node_jobs
+import torch
 from ranks import free_port, run_ranks
 from test_node_snapshot import _wait_for
+from test_protocol import SIZES, manifest
 
 from luwu_rt.exec.chaos import CHAOS_ENV
-from luwu_rt.node.snapshot import latest_snapshot
+from luwu_rt.node.manifest import manifest_bytes
+from luwu_rt.node.protocol import DTYPE_CODES, INIT_STATES, Message, T, decode, encode
+from luwu_rt.node.service import NodeConfig, NodeService
+from luwu_rt.node.shards import slice_of
+from luwu_rt.node.snapshot import latest_snapshot, write_snapshot
 from luwu_rt.node.steps import HALT_ENV
 
 WORKERS = 2
@@ -82,16 +88,8 @@ def test_a_killed_node_shard_and_the_live_one_go_back_to_one_snapshot(tmp_path):
 def test_a_shard_without_the_snapshot_refuses_to_go_back(tmp_path):
     """The service's side of a ROLLBACK, in this process: a shard asked back to a step it holds no snapshot of
     says so, naming the directory; one that holds it waits for no write and hands the step and its address to
-    its restart hook; one run inside a program that gave no hook says how to restart it."""
-    import pytest
-    import torch
-    from test_protocol import SIZES, manifest
-
-    from luwu_rt.node.protocol import INIT_STATES
-    from luwu_rt.node.service import NodeConfig, NodeService
-    from luwu_rt.node.shards import slice_of
-    from luwu_rt.node.snapshot import write_snapshot
-
+    its restart hook; one run inside a program that gave no hook says how to restart it; one restarted at a step
+    whose snapshot it cannot read serves, and tells the worker that rejoins why."""
     m = {**manifest(), "nodes": ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]}
     snaps = tmp_path / "snaps"
     for step in (2, 4):  # shard 1's slices of every unit
@@ -116,6 +114,19 @@ def test_a_shard_without_the_snapshot_refuses_to_go_back(tmp_path):
         assert again.resumed_from == 2 and again.runner.step == 2
     finally:
         again._close()
-    with pytest.raises(ValueError, match=r"holds no whole snapshot of step 3 .*step_00000002, step_00000004"):
-        NodeService(NodeConfig(num_workers=2, host_mem="16MiB", snapshot_dir=str(snaps), shard="1/2", resume_step=3),
-                    run_steps=False, log=print, chaos=None)
+    # A shard restarted at a step it cannot resume from still serves: the worker that rejoins hears why.
+    lines: list[str] = []
+    lost = NodeService(NodeConfig(num_workers=2, host_mem="16MiB", snapshot_dir=str(snaps), shard="1/2",
+                                  resume_step=3), run_steps=False, log=lines.append, chaos=None)
+    try:
+        assert lost.resumed_from is None
+        lost.handle(b"w1", encode(Message(T.HELLO, rank=1, step=3, dtype=DTYPE_CODES["json"],
+                                          payload=manifest_bytes(m))))
+        identity, frames = lost.protocol.outbox[-1]
+        assert identity == b"w1" and decode(frames).type == T.ERROR
+        text = bytes(frames[1]).decode()
+        assert "rejoins its run in step 3, but this node holds no snapshot of it" in text, text
+        assert "holds no whole snapshot of step 3" in text and "step_00000002, step_00000004" in text, text
+        assert any("cannot resume at step 3" in line for line in lines), lines
+    finally:
+        lost._close()
