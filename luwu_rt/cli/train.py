@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-log", dest="node_log", default=None, metavar="FILE",
                         help="with --spawn-node: the node's lines, with its per-step times, are appended to FILE "
                              "(default: its per-step lines are not kept; its errors reach stderr either way)")
+    parser.add_argument("--node-snapshot-every", dest="node_snapshot_every", type=int, default=0, metavar="K",
+                        help="with --spawn-node: the node shards snapshot their state every K steps, and one that "
+                             "dies is started again on its snapshots while the workers rejoin it and replay, with "
+                             "the same losses (default 0: no snapshots; a node that dies ends the run)")
+    parser.add_argument("--node-snapshot-dir", dest="node_snapshot_dir", default=None, metavar="DIR",
+                        help="with --node-snapshot-every: where the shards' snapshots go, a directory per shard "
+                             "(default: a temporary directory, removed when the run ends)")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="run N ranks on this machine (data parallel, each on its share of the cores); "
                              "the same as torchrun --nproc-per-node N -m luwu_rt train ...")
@@ -247,6 +254,13 @@ def run(args: argparse.Namespace) -> int:
                          "in --node, in shard order")
     if getattr(args, "node_log", None) and not getattr(args, "spawn_node", False):
         raise ValueError("--node-log goes with --spawn-node; a node you started takes luwu node serve --log-file FILE")
+    for flag, given in (("--node-snapshot-every", getattr(args, "node_snapshot_every", 0)),
+                        ("--node-snapshot-dir", getattr(args, "node_snapshot_dir", None))):
+        if given and not getattr(args, "spawn_node", False):
+            raise ValueError(f"{flag} goes with --spawn-node; a node you started takes luwu node serve "
+                             f"--snapshot-dir DIR --snapshot-every K")
+    if getattr(args, "node_snapshot_dir", None) and not args.node_snapshot_every:
+        raise ValueError("--node-snapshot-dir goes with --node-snapshot-every K (how often the shards snapshot)")
     if getattr(args, "spawn_node", False):  # a local optimizer node around the whole run (node/spawn.py)
         if world_size > 1 or args.node:
             raise ValueError("--spawn-node starts the node itself: leave out --node, and use --nproc, not torchrun")
@@ -258,10 +272,11 @@ def run(args: argparse.Namespace) -> int:
 
         # The run's --timeout (flag or --config), else TrainConfig's default: the node waits as long as the ranks.
         timeout_s = _settings(args).get("timeout_s", TrainConfig().timeout_s)
-        with spawned_node(num_workers=args.nproc or 1, timeout_s=timeout_s,
-                          num_shards=args.node_shards, log_file=args.node_log) as address:
+        with spawned_node(num_workers=args.nproc or 1, timeout_s=timeout_s, num_shards=args.node_shards,
+                          log_file=args.node_log, snapshot_every=args.node_snapshot_every,
+                          snapshot_dir=args.node_snapshot_dir) as address:
             args.spawn_node, args.node, args.strategy = False, address, args.strategy or "node"
-            args.node_shards, args.node_log = 1, None
+            args.node_shards, args.node_log, args.node_snapshot_every, args.node_snapshot_dir = 1, None, 0, None
             return run(args)
     with _scratch_nvme_dir(args):
         if not (args.nproc is not None and args.nproc > 1 and world_size == 1):

@@ -102,3 +102,15 @@ def test_a_nodes_refusal_under_nproc_is_one_line_per_rank_and_exits_2(tmp_path) 
     for rank in (0, 1):
         lines = [line for line in r.stderr.splitlines() if line.startswith(f"luwu: rank {rank}: NodeError")]
         assert len(lines) == 1 and lines[0].endswith("start both with the same count"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--node-snapshot-every", "2"), "--node-snapshot-every goes with --spawn-node"),
+    (("--spawn-node", "--node-snapshot-dir", "snaps"), "--node-snapshot-dir goes with --node-snapshot-every K"),
+    (("--spawn-node", "--node-snapshot-every", "-1"), "--node-snapshot-every -1: give a number of steps >= 1"),
+])
+def test_node_snapshot_flags_of_spawned_nodes_are_checked(tmp_path, flags, needle) -> None:
+    """[Note: spawned nodes that die] in node/spawn.py: the flags say what they go with, before anything starts."""
+    r = _luwu("train", "--strategy", "node", "--nproc", "2", "--steps", "1", *flags, cwd=tmp_path, timeout=120)
+    _one_line(r, needle)
+    assert not (tmp_path / "snaps").exists()

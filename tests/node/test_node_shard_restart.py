@@ -7,11 +7,13 @@ snapshot of that step, refuses by name."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import node_jobs
@@ -130,3 +132,51 @@ def test_a_shard_without_the_snapshot_refuses_to_go_back(tmp_path):
         assert any("cannot resume at step 3" in line for line in lines), lines
     finally:
         lost._close()
+
+
+def _train_spawned(tmp_path: Path, name: str, chaos: str, *, kill_at: int | None = None) -> tuple[list[float], str]:
+    """``luwu train --spawn-node`` with 2 workers and 2 node shards snapshotting every 2 steps; with ``kill_at``,
+    shard 0 is SIGKILLed once its snapshot of that step is on disk. Returns the losses and the launcher's
+    stderr."""
+    snaps = tmp_path / f"{name}-snaps"
+    cmd = [sys.executable, "-m", "luwu_rt", "train", "--strategy", "node", "--nproc", str(WORKERS), "--spawn-node",
+           "--node-shards", "2", "--node-snapshot-every", "2", "--node-snapshot-dir", str(snaps),
+           "--steps", str(SPAWNED_STEPS), "--batch-size", "1", "--seq-len", "16", "--eval-every", "0",
+           "--keep-graphs", "none", "--quiet", "--timeout", "60", "--json-log", str(tmp_path / f"{name}.jsonl")]
+    train = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, CHAOS_ENV: chaos}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    if kill_at is not None:
+        held = snaps / "shard-0" / f"step_{kill_at:08d}"
+        deadline = time.monotonic() + 120
+        while not (held / "manifest.json").exists():  # committed: the directory is renamed into place whole
+            assert train.poll() is None, f"the run ended before the kill:\n{train.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"shard 0 wrote no snapshot of step {kill_at}"
+            time.sleep(0.02)
+        pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_node(p, snaps / "shard-0")]
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+    out, err = train.communicate(timeout=300)
+    assert train.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    return [line["loss"] for line in lines if "loss" in line], err
+
+
+def _is_node(proc: Path, snapshots: Path) -> bool:
+    try:
+        words = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"serve" in words and str(snapshots).encode() in words
+
+
+SPAWNED_STEPS = 14
+
+
+def test_a_spawned_node_shard_that_dies_is_started_again(tmp_path):
+    """[Note: spawned nodes that die] in node/spawn.py: ``luwu train --spawn-node --node-snapshot-every 2``
+    starts a killed shard again on its snapshots; the workers rejoin both shards and replay, and the run
+    reports the losses of a run nobody killed, bit for bit (the killed run in the chaos mode)."""
+    plain, _ = _train_spawned(tmp_path, "plain", "")
+    killed, err = _train_spawned(tmp_path, "killed", "67", kill_at=4)
+    assert "optimizer node shard 0 exited with status -9; starting it again" in err, err[-3000:]
+    assert len(plain) == SPAWNED_STEPS and killed == plain, (killed, plain)
