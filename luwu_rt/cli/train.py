@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="run N ranks on this machine (data parallel, each on its share of the cores); "
                              "the same as torchrun --nproc-per-node N -m luwu_rt train ...")
+    parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0, metavar="N",
+                        help="with --nproc and --ckpt-dir: when a rank fails (killed, out of memory), end the "
+                             "ranks and start them all again from the newest checkpoint, up to N times, as torchrun "
+                             "--max-restarts does; a user error (exit 2) or Ctrl-C ends the run (default 0)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
     from luwu_rt.interrupt import StopRequest, test_hook
 
     world_size = int(os.environ.get("WORLD_SIZE") or 1)
+    if getattr(args, "max_restarts", 0):
+        return _restarting(args, world_size)
     if getattr(args, "stop_after", None) is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after {args.stop_after}: give the step to stop after, >= 1")
     if getattr(args, "node_shards", 1) != 1 and not getattr(args, "spawn_node", False):
@@ -291,6 +297,46 @@ def run(args: argparse.Namespace) -> int:
                 in_luwu = getattr(sys.modules.get("__main__"), "main", None) is _cli_main()
                 args.stop_request.finish(ignore_signals=in_luwu)
         return _run(args, world_size)
+
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""How many times the ranks were started again ([Note: restarting the ranks]); torchrun's name for it."""
+
+
+def _restarting(args: argparse.Namespace, world_size: int) -> int:
+    """[Note: restarting the ranks]
+    ``--max-restarts N`` runs the launcher's ranks again when one fails: the
+    launcher has already ended the others (a rank that loses a peer exits), so
+    all of them start again, with ``--resume-if-exists`` on the run's
+    ``--ckpt-dir``, and go on from its newest checkpoint, whose resume is exact
+    (the JSON log drops the lines past it). A node that ``--spawn-node`` started
+    is started afresh with them, and takes the checkpoint's optimizer state.
+    Exit 2 (an error in what the user gave) and Ctrl-C (130) are not failures a
+    restart cures. The ranks see the count in ``TORCHELASTIC_RESTART_COUNT``."""
+    import copy
+
+    most = args.max_restarts
+    if most < 0:
+        raise ValueError(f"--max-restarts {most}: give how many times to start the ranks again, >= 0")
+    if world_size > 1 or not (args.nproc is not None and args.nproc > 1):
+        raise ValueError("--max-restarts goes with --nproc N (N >= 2): the launcher starts the ranks again; under "
+                         "torchrun give torchrun --max-restarts")
+    directory = _settings(args).get("checkpoint", {}).get("dir")  # the rest is checked as each attempt starts
+    if not directory:
+        raise ValueError("--max-restarts needs --ckpt-dir (and --ckpt-every N): the ranks start again from its "
+                         "newest checkpoint")
+    restart = 0
+    while True:
+        os.environ[RESTART_COUNT_ENV] = str(restart)
+        attempt = copy.copy(args)
+        attempt.max_restarts = 0
+        attempt.resume_if_exists = args.resume_if_exists or restart > 0
+        code = run(attempt)
+        if code in (0, 2, 130) or restart == most:
+            return code
+        restart += 1
+        print(f"luwu: the run failed (exit status {code}); starting its {args.nproc} ranks again from the newest "
+              f"checkpoint in {directory} (restart {restart} of {most})", file=sys.stderr, flush=True)
 
 
 def _cli_main():

@@ -262,6 +262,49 @@ def test_luwu_train_rank_killed_fails_naming_it(tmp_path, runs):
     run.assert_nothing_left()
 
 
+def _losses(log: Path) -> list[float]:
+    return [e["loss"] for e in map(json.loads, log.read_text().splitlines()) if "loss" in e]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "node"])
+def test_max_restarts_starts_the_ranks_again_from_the_newest_checkpoint(tmp_path, runs, monkeypatch, strategy):
+    """[Note: restarting the ranks] in cli/train.py: rank 1 SIGKILLed after the checkpoint of step 2; the
+    launcher starts both ranks again (with a fresh spawned node under strategy node), they resume from that
+    checkpoint, and the run ends with the losses of one nobody killed, bit for bit (the killed run in the
+    chaos mode), its JSON log a line per step."""
+    from luwu_rt.exec.chaos import CHAOS_ENV
+
+    flags = ["--nproc", "2", "--steps", "8", "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--quiet",
+             "--timeout", "30", "--strategy", strategy, "--ckpt-every", "2",
+             *(["--spawn-node"] if strategy == "node" else [])]
+    plain_dir, killed_dir = tmp_path / "plain", tmp_path / "killed"
+    plain_dir.mkdir(), killed_dir.mkdir()
+    monkeypatch.setenv(CHAOS_ENV, "")
+    plain = _luwu_train(plain_dir, runs, *flags, "--ckpt-dir", "ck", "--json-log", "log.jsonl")
+    code, err = plain.wait(240)
+    assert code == 0, err
+    monkeypatch.setenv(CHAOS_ENV, "73")
+    log = killed_dir / "log.jsonl"
+    killed = _luwu_train(killed_dir, runs, *flags, "--ckpt-dir", "ck", "--json-log", "log.jsonl",
+                         "--max-restarts", "2")
+    pids = killed.ranks(2)
+    _wait_for(lambda: (killed_dir / "ck" / "step_00000002" / "manifest.json").exists(), 120, "a checkpoint")
+    assert killed.proc.poll() is None, killed.stderr()
+    os.kill(pids[1], signal.SIGKILL)
+    code, err = killed.wait(300)
+    assert code == 0, err
+    assert "luwu: rank 1 was killed by signal SIGKILL" in err, err
+    assert err.count("starting its 2 ranks again from the newest checkpoint") == 1, err
+    killed.assert_nothing_left()
+    assert [e["step"] for e in map(json.loads, log.read_text().splitlines())] == list(range(1, 9))
+    assert _losses(log) == _losses(plain_dir / "log.jsonl")
+
+
+def test_max_restarts_needs_a_checkpoint_directory(tmp_path, runs):
+    code, err = _luwu_train(tmp_path, runs, "--nproc", "2", "--steps", "2", "--max-restarts", "1").wait(60)
+    assert code == 2 and "--max-restarts needs --ckpt-dir" in err, err
+
+
 # ---------------------------------------------------------------------------------------------- failures
 
 
