@@ -85,6 +85,8 @@ def _batches(args, *, rank: int, world: int, count: int):
 def _deepspeed(model, args, *, nvme: bool):
     import deepspeed
 
+    from luwu_rt.io import BLOCK_BYTES, QUEUE_DEPTH
+
     offload = {"device": "nvme" if nvme else "cpu", "pin_memory": False}
     params = dict(offload)
     zero = {"stage": 3, "offload_optimizer": dict(offload), "offload_param": params}
@@ -99,7 +101,9 @@ def _deepspeed(model, args, *, nvme: bool):
               "gradient_clipping": OPTIM["grad_clip"], "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": OPTIM["lr"], "betas": list(OPTIM["betas"]),
                                                         "eps": OPTIM["eps"], "weight_decay": OPTIM["weight_decay"]}},
-              "aio": {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True}}
+              # Its async IO at our IO engine's settings: the same pieces, as many in flight.
+              "aio": {"block_size": BLOCK_BYTES, "queue_depth": QUEUE_DEPTH, "single_submit": False,
+                      "overlap_events": True}}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x, y, lr):

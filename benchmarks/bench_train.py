@@ -42,6 +42,7 @@ import torch
 from report import cpu_model, emit  # benchmarks/report.py
 
 from luwu_rt.config import from_mapping
+from luwu_rt.io import BLOCK_BYTES, QUEUE_DEPTH
 from luwu_rt.engine import Engine, TrainConfig
 from luwu_rt.engine.workload import device_budget
 from luwu_rt.exec.trace import moved_by_tier
@@ -251,7 +252,8 @@ def _raw_io_seconds(directory: str, *, read_bytes: int, write_bytes: int) -> flo
     scale = max(scale, 1.0)
     sample_r = int(read_bytes / scale) // 4096 * 4096 or 4096
     sample_w = int(write_bytes / scale) // 4096 * 4096 or 4096
-    seconds = timed_mix(directory, read_bytes=sample_r, write_bytes=sample_w, block_bytes=1 << 20, queue_depth=32)
+    seconds = timed_mix(directory, read_bytes=sample_r, write_bytes=sample_w, block_bytes=BLOCK_BYTES,
+                        queue_depth=QUEUE_DEPTH)
     return seconds * max(read_bytes / sample_r, write_bytes / sample_w)
 
 
@@ -289,7 +291,8 @@ def _measured_profile(engine: Engine, workdir: str, spans):
     # The disk is timed on the step's NVMe bytes, at most 1 GiB (as for the IO time above).
     nvme = engine.predicted.io_bytes.get("nvme", {"read": 0, "write": 0})
     state_bytes = min(max(nvme["read"], nvme["write"], 1 << 20), 1 << 30)
-    _disk, profile = _measure_profile(workdir, state_bytes=state_bytes, block_bytes=1 << 20, queue_depth=32)
+    _disk, profile = _measure_profile(workdir, state_bytes=state_bytes, block_bytes=BLOCK_BYTES,
+                                      queue_depth=QUEUE_DEPTH)
     flops = sum(getattr(op, "flops", 0) for op in engine.plan.ops if op.kind == "Compute")
     compute_s = sum(s.end_s - s.start_s for s in spans if s.queue == "compute")
     profile = dataclasses.replace(profile, compute_flops=flops / compute_s)

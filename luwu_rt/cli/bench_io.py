@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mb", type=int, default=1024, help="file size in MiB (default 1024)")
     parser.add_argument("--block-kb", type=int, default=1024,
                         help="IO piece size in KiB, a multiple of 4 (default 1024)")
-    parser.add_argument("--queue-depth", type=int, default=32, help="pieces in flight per direction (default 32)")
+    parser.add_argument("--queue-depth", type=int, default=None,
+                        help="pieces in flight per direction (default: the IO engine's, luwu_rt.io.QUEUE_DEPTH)")
     parser.add_argument("--backend", default="auto", choices=("auto", "io_uring", "threads"),
                         help="IO backend (default auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -133,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
     if args.block_kb <= 0 or args.block_kb % 4:
         raise ValueError(f"--block-kb must be a positive multiple of 4, got {args.block_kb}")
     from luwu_rt.cli.dirs import created_dir
+    from luwu_rt.io import QUEUE_DEPTH
 
+    args.queue_depth = QUEUE_DEPTH if args.queue_depth is None else args.queue_depth
     with created_dir(args.dir, flag="--dir"):  # as luwu train treats --nvme-dir ([Note: missing directories])
         return _run(args, size_bytes=args.size_mb << 20)
 

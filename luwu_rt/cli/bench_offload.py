@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", default="16MiB", help="storage chunk size, a multiple of 4KiB (default 16MiB)")
     parser.add_argument("--steps", type=int, default=3, help="steps to run; the median is reported (default 3)")
     parser.add_argument("--block-kb", type=int, default=1024, help="IO piece size in KiB (default 1024)")
-    parser.add_argument("--queue-depth", type=int, default=32, help="IO pieces in flight per direction (default 32)")
+    parser.add_argument("--queue-depth", type=int, default=None,
+                        help="IO pieces in flight per direction (default: the IO engine's, luwu_rt.io.QUEUE_DEPTH)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write the last step's spans as Chrome trace JSON")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -112,8 +113,10 @@ def _host_too_small(model, budgets, placement, args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from luwu_rt.cli.dirs import created_dir
+    from luwu_rt.io import QUEUE_DEPTH
     from luwu_rt.plan import Budgets, Placement, parse_size, plan_step, validate
 
+    args.queue_depth = QUEUE_DEPTH if args.queue_depth is None else args.queue_depth
     num_params, unit_params = _parse_count(args.params), _parse_count(args.unit_params)
     chunk_bytes = parse_size(args.chunk_size)
     if args.steps < 1:

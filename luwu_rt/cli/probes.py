@@ -21,7 +21,7 @@ __all__ = ["codec_rates", "collectives", "compute_rate", "copy_gbps", "matmul_fl
 
 _GB = 1e9
 _NVME_BLOCKS_KB = (256, 1024, 4096)
-_NVME_DEPTHS = (8, 32)
+_NVME_DEPTHS = (8, 32, 64)
 
 
 def _median_time(fn: Callable[[], Any], *, repeats: int) -> float:
