@@ -321,6 +321,10 @@ def _restarting(args: argparse.Namespace, world_size: int) -> int:
     if world_size > 1 or not (args.nproc is not None and args.nproc > 1):
         raise ValueError("--max-restarts goes with --nproc N (N >= 2): the launcher starts the ranks again; under "
                          "torchrun give torchrun --max-restarts")
+    if getattr(args, "node", None):
+        raise ValueError("--max-restarts goes with --spawn-node under strategy node, not --node ADDR: a node you "
+                         "started holds the run's later steps, which ranks started again from a checkpoint cannot "
+                         "rejoin; restart that node on its --snapshot-dir instead")
     directory = _settings(args).get("checkpoint", {}).get("dir")  # the rest is checked as each attempt starts
     if not directory:
         raise ValueError("--max-restarts needs --ckpt-dir (and --ckpt-every N): the ranks start again from its "

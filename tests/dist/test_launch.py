@@ -300,9 +300,12 @@ def test_max_restarts_starts_the_ranks_again_from_the_newest_checkpoint(tmp_path
     assert _losses(log) == _losses(plain_dir / "log.jsonl")
 
 
-def test_max_restarts_needs_a_checkpoint_directory(tmp_path, runs):
+def test_max_restarts_needs_a_checkpoint_directory_and_no_running_node(tmp_path, runs):
     code, err = _luwu_train(tmp_path, runs, "--nproc", "2", "--steps", "2", "--max-restarts", "1").wait(60)
     assert code == 2 and "--max-restarts needs --ckpt-dir" in err, err
+    code, err = _luwu_train(tmp_path, runs, "--nproc", "2", "--steps", "2", "--max-restarts", "1", "--ckpt-dir", "ck",
+                            "--strategy", "node", "--node", "tcp://127.0.0.1:5555").wait(60)
+    assert code == 2 and "--max-restarts goes with --spawn-node under strategy node" in err, err
 
 
 # ---------------------------------------------------------------------------------------------- failures
