@@ -228,6 +228,12 @@ class TrainConfig:
     ``auto:C1,C2,...``: per unit the fastest of none and the codecs named, by the cost model ([Note: selective
     compression] in plan/compression.py). ``ddp``, ``zero1`` and ``zero2`` (one rank compresses nothing), and
     ``node``'s pushes with one elementwise codec ([Note: compressed pushes] in plan/codec.py)."""
+    compress_warmup: int = field(default=0, metadata=flag(
+        "optimizer steps that synchronise uncompressed before --compress starts (DeepSpeed 1-bit Adam's freeze_step, "
+        "DGC's warm-up): a sparse codec such as topk:0.01 under Adam trains far slower while the loss falls "
+        "fastest; not node", metavar="N"))
+    """Steps 1..N of the run synchronise their gradients uncompressed, the later ones through ``compress`` ([Note:
+    compression warm-up] in engine/engine.py); 0: compressed from the first step."""
     shard_group_size: int = field(default=0, metadata=flag(
         "hsdp: ranks per sharding group, e.g. the GPUs of one server (default {default}: min(8, world size))",
         aliases=("--group-size",), metavar="G", plans=True))
@@ -289,6 +295,17 @@ class TrainConfig:
             raise ValueError(f"--compress {self.compress} applies to --strategy {', '.join(COMPRESSING_STRATEGIES)} "
                              f"(or auto) and node, not {self.strategy}: zero3 and hsdp gather parameters "
                              f"uncompressed; use --compress none or auto")
+        if not isinstance(self.compress_warmup, int) or isinstance(self.compress_warmup, bool) \
+                or self.compress_warmup < 0:
+            raise ValueError(f"compress_warmup (--compress-warmup) must be an integer >= 0, "
+                             f"got {self.compress_warmup!r}")
+        if self.compress_warmup and codecs == ("none",) and not auto:
+            raise ValueError(f"--compress-warmup {self.compress_warmup} delays a codec that --compress does not name; "
+                             f"give --compress CODEC, or leave --compress-warmup out")
+        if self.compress_warmup and self.strategy == "node":
+            raise ValueError(f"--compress-warmup {self.compress_warmup} applies to ddp, zero1 and zero2: a node's "
+                             f"workers push with one codec from the first step; leave it out, or use --compress none "
+                             f"for uncompressed pushes")
         if not isinstance(self.shard_group_size, int) or self.shard_group_size < 0:
             raise ValueError(f"shard_group_size must be an integer >= 0, got {self.shard_group_size!r}")
         if self.shard_group_size and self.strategy not in ("hsdp", "auto"):

@@ -145,6 +145,8 @@ class Engine:
         self.executor = Executor(self.plan, store=self.store, queues=self.queues, handlers=handlers)
         self.eval_executor = Executor(self.eval_plan, store=self.store, queues=self.queues,
                                       handlers={k: v for k, v in handlers.items() if k in ("Compute", "Gather")})
+        self.warm_executor = None if self.warm_plan is None else Executor(
+            self.warm_plan, store=self.store, queues=self.queues, handlers=handlers)
         self.speculation: SpeculativeRuns | None = None
         """The step's plans by half and how they ran, with a double-buffered optimizer state."""
         if self.halves is not None:
@@ -247,16 +249,18 @@ class Engine:
         snug, _ = snug_arenas(budgets, plans=lambda b: unlimited if b is budgets else self._plans_for(
                                   b, halves=halves is not None)[0],
                               predict=lambda plans: estimate(plans[0], profile, steady=True).predicted_step_s)
-        (self.plan, self.eval_plan, *_), self.halves = self._plans_for(
+        (self.plan, self.eval_plan, *others), self.halves = self._plans_for(
             snug, step=result.plan if snug is budgets else None, halves=halves is not None, check=True)
         """``halves``: the step's plans by half of a double-buffered optimizer state (``plan_speculative``), the
         step's plan the speculative one; ``None`` when the state has one half."""
+        self.warm_plan: SwapPlan | None = others[0] if self._warms() else None
+        """The step of a compression warm-up ([Note: compression warm-up]); ``None`` without one."""
         if self.halves is not None:
             self.model_spec = replace(self.model_spec, double_buffer=True)
         self.predicted = estimate(self.plan, profile)
         self.wire_bytes = wire_bytes(self.plan)
         """Bytes this rank sends per step by the plan's collectives (compressed payloads as encoded)."""
-        others = [p for pair in (self.halves or {}).values() for p in pair if p is not self.plan]
+        self.warm_wire_bytes = wire_bytes(self.warm_plan) if self.warm_plan is not None else self.wire_bytes
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
                                         io_backend=self.config.io_backend, also=(self.eval_plan, *others),
                                         scratch=not off.keep_nvme_state)
@@ -282,7 +286,9 @@ class Engine:
         # depends on the micro-batches: accumulating reduce-scatters have a workspace), homes and reserve.
         evaluation = plan_step(replace(model, forward_only=True), budgets=budgets, placement=self.placement,
                                strategy=self.strategy)
-        plans = (step, evaluation, *(p for pair in (made or {}).values() for p in pair if p is not step))
+        warm = (plan_step(replace(model, uncompressed=True), budgets=budgets, placement=self.placement,
+                          strategy=self.strategy),) if self._warms() else ()
+        plans = (step, evaluation, *warm, *(p for pair in (made or {}).values() for p in pair if p is not step))
         if check:
             for plan in plans:
                 validate(plan)
@@ -292,11 +298,31 @@ class Engine:
         """The plans of a double-buffered optimizer state, by half (``plan_speculative``); ``None`` when the run's
         updates need not wait for the norm, its optimizer state is not on NVMe in this process, or the second half
         does not fit."""
+        if self._warms():  # one plan per step kind: not two warm-up halves as well (not built)
+            return None
         return plan_speculative(self.model_spec, budgets=budgets, placement=self.placement, strategy=self.strategy)
+
+    # [Note: compression warm-up]
+    # Error feedback delivers what a sparse codec leaves out later, in one piece: under topk:0.01 a value
+    # reaches the optimizer about once every 100 steps as the sum of the gradients it missed. Adam divides
+    # that spike by its own root mean square, so a coordinate moves by a few learning rates per delivery
+    # where it would have moved by one per step: the run trains slower, most while the loss falls fastest
+    # (gpt-tiny, ddp at 2 ranks, 300 steps: 26% above the uncompressed loss). DeepSpeed's 1-bit Adam
+    # (freeze_step) and DGC start with uncompressed steps for this; so does ``--compress-warmup N``: steps
+    # 1..N run ``warm_plan``, the step planned with ``ModelSpec.uncompressed`` over the same store (the
+    # codec's shards laid out, untouched), so the residuals are still zero when step N + 1 first encodes,
+    # and a run resumed at any step picks its plan by the step number alone. One plan per step kind: a
+    # warm-up runs without a double-buffered optimizer state.
+
+    def _warms(self) -> bool:
+        """Whether the run's first steps synchronise uncompressed ([Note: compression warm-up])."""
+        return bool(self.config.compress_warmup) and self.strategy.compresses
 
     def _plans(self) -> list[SwapPlan]:
         """Every training plan this engine may run (the step's; with a double-buffered state every half's)."""
-        return [p for pair in self.halves.values() for p in pair] if self.halves is not None else [self.plan]
+        if self.halves is not None:
+            return [p for pair in self.halves.values() for p in pair]
+        return [self.plan] if self.warm_plan is None else [self.warm_plan, self.plan]
 
     def _agree(self, result) -> None:
         """Every rank must run the same plan, or their collectives would not match: compare digests."""
@@ -431,8 +457,9 @@ class Engine:
         self.compute.begin(batches, step=step)  # [Note: dropout is drawn by step]
         self.optimizer.begin_step(step)
         start = time.perf_counter()
+        warm = self.warm_executor is not None and step <= c.compress_warmup
         if self.speculation is None:  # the step's tail runs on beside the next step ([Note: steady state])
-            self.last_spans = self.executor.run(pipeline=True)
+            self.last_spans = (self.warm_executor if warm else self.executor).run(pipeline=True)
         else:  # a redo sets the step up anew and runs it again ([Note: when to speculate] in exec/speculate.py)
             self.last_spans = self.speculation.run(
                 lambda: (self.compute.begin(batches, step=step), self.optimizer.begin_step(step)))
@@ -448,7 +475,8 @@ class Engine:
             "step_s": step_s, "tokens_per_s": tokens / step_s, "compute_s": busy.get("compute", 0.0),
             "optim_s": busy.get("optim", 0.0), "kept_bytes": self.compute.kept_bytes,
             "io_s": sum(busy.get(q, 0.0) for q in ("nvme_read", "nvme_write", "h2d", "d2h")),
-            "wire_bytes": self.wire_bytes, "encode_s": busy.get("encode", 0.0), "decode_s": busy.get("decode", 0.0),
+            "wire_bytes": self.warm_wire_bytes if warm else self.wire_bytes,
+            "encode_s": busy.get("encode", 0.0), "decode_s": busy.get("decode", 0.0),
             "wait_s": max(step_s - busy.get("compute", 0.0), 0.0),  # compute queue idle: waiting on IO or the optimizer
         }
 

@@ -390,7 +390,7 @@ class _Sequence:
             held = []
             written.update(self.reads(k))
             for u in finals[k]:
-                if sharded and self.strategy.codec(u) != "none":
+                if sharded and self.encodes(u):
                     self.compressed(u, source="grad_full", first=mb == 0)
                 elif sharded:
                     self.reduce_scatter(u, first=mb == 0)
@@ -402,6 +402,11 @@ class _Sequence:
                         after_final(u)
         for u in held:
             after_final(u)
+
+    def encodes(self, u: int) -> bool:
+        """Whether unit ``u``'s gradient goes through its codec this step (not in a warm-up's uncompressed step,
+        ``ModelSpec.uncompressed``, whose layout still holds the codec's shards)."""
+        return self.strategy.codec(u) != "none" and not self.model.uncompressed
 
     def reduce_scatter(self, u: int, *, first: bool) -> None:
         """This micro-batch's full gradient of ``u`` into this rank's slice: written by the first
@@ -454,11 +459,11 @@ class _Sequence:
         if name == "node":
             self.pushes[u] = self.collective(Push, "push", u, "send", self.full_bytes(u, "grad"),
                                              self.needs((u,), "grad", "host", "r")) \
-                if self.strategy.codec(u) == "none" else self.encoded_push(u)
+                if not self.encodes(u) else self.encoded_push(u)
             if not self.model.optimizer_waits_for_backward:
                 self.pull(u)
             return
-        if name in ("ddp", "zero1") and self.strategy.codec(u) != "none":
+        if name in ("ddp", "zero1") and self.encodes(u):
             self.compressed(u, source="grad")
         elif name == "ddp":
             self.collective(Reduce, "reduce", u, "all_reduce", self.full_bytes(u, "grad"),

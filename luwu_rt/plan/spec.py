@@ -140,6 +140,10 @@ class ModelSpec:
     current half and writes the other one, leaving the current one untouched. Without
     ``optimizer_waits_for_backward`` the updates then run as gradients are final, before the step's norm is
     known, and the step is committed or redone once it is ([Note: speculative updates] in sequence.py)."""
+    uncompressed: bool = False
+    """The strategy's codec shards (residuals, payload workspaces) are laid out, but the gradients synchronise
+    uncompressed: the step of a compression warm-up (``--compress-warmup``), which runs over the same store
+    as the compressed step and leaves the residuals untouched."""
     state_half: int = 0
     """Which half of a double-buffered optimizer state the step reads (0: ``master``, 1: ``master_b``); it
     writes the other."""

@@ -93,16 +93,16 @@ def _grads(step: int, world: int, micro_batches: int, residuals: dict, compress:
 
 
 def reference(*, world: int, micro_batches: int, steps: int, clip: bool,
-              compress: tuple[str, str] | None = None) -> list[dict]:
+              compress: tuple[str, str] | None = None, warmup: int = 0) -> list[dict]:
     """The single-process result: per step, each unit's full master, moments and parameters before it; with
-    ``compress`` = (codec, strategy), the gradients sent through the codec and each rank's residual after
-    the step (``residual<r>``)."""
+    ``compress`` = (codec, strategy), the gradients of the steps after ``warmup`` sent through the codec and
+    each rank's residual after the step (``residual<r>``)."""
     state = {u: initial(u) for u in range(len(SIZES))}
     residuals = {u: [torch.zeros(SIZES[u]) for _ in range(world)] for u in state}
     history = []
     for step in range(1, steps + 1):
         history.append({u: {k: v.clone() for k, v in s.items()} for u, s in state.items()})
-        grads = _grads(step, world, micro_batches, residuals, compress)
+        grads = _grads(step, world, micro_batches, residuals, compress if step > warmup else None)
         total = sum(float(g.double().square().sum()) for g in grads.values())
         scale = min(1.0, MAX_NORM / (total ** 0.5 + 1e-6)) if clip else 1.0
         for u, s in state.items():

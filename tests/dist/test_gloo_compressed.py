@@ -34,9 +34,17 @@ def test_compressed_strategies_over_gloo_equal_the_single_process_codec(tmp_path
 
 def test_a_compressed_run_resumes_exactly_with_its_residuals(tmp_path):
     """zero1 with onebit on 2 ranks, checkpointed at step 5 and resumed: the resumed steps' losses are the
-    uninterrupted run's, bit for bit, because every rank's residual came back (with them zeroed they are not)."""
+    uninterrupted run's, bit for bit, because every rank's residual came back (with them zeroed they are not).
+    Also a run checkpointed in its warm-up (--compress-warmup 7): resumed, it starts encoding at step 8 as the
+    uninterrupted run did."""
     overrides = {"strategy": "zero1", "compress": "onebit"}
-    (full, _) = run_ranks(rank_jobs.train, 2, [("run", overrides)], {"run": str(tmp_path)}, env={CHAOS_ENV: ""})
+    warm = {**overrides, "compress_warmup": rank_jobs.SAVE_AT + 2}
+    (full, _) = run_ranks(rank_jobs.train, 2, [("run", overrides), ("warm", warm)],
+                          {"run": str(tmp_path), "warm": str(tmp_path / "warm")}, env={CHAOS_ENV: ""})
+    assert full["warm"]["losses"][: rank_jobs.SAVE_AT + 3] != full["run"]["losses"][: rank_jobs.SAVE_AT + 3]
+    (got, _) = run_ranks(rank_jobs.resume_compressed, 2, str(tmp_path / "warm" / f"step_{rank_jobs.SAVE_AT:08d}"),
+                         env={CHAOS_ENV: ""})
+    assert got["resumed"] == full["warm"]["losses"][rank_jobs.SAVE_AT:]
     checkpoint = tmp_path / f"step_{rank_jobs.SAVE_AT:08d}"
     reader = CheckpointReader(checkpoint)
     residuals = sorted(k for k in reader.tensors if ".residual." in k)
@@ -50,15 +58,17 @@ def test_a_compressed_run_resumes_exactly_with_its_residuals(tmp_path):
 
 def test_gpt_tiny_with_compression_ends_near_the_uncompressed_loss():
     """gpt-tiny on the default corpus, ddp on 2 ranks, 300 seeded steps (4 sequences of 64 tokens per rank, peak
-    learning rate 1e-3; ~90 s): with onebit the mean loss of the last 20 steps is within 5% of the uncompressed
-    run's (measured 3.5%) while sending 25.6x fewer bytes. topk:0.01 misses that target: a 1% top-k delivers each
-    value about every 100 steps, and 300 steps end about 27% above (measured 26.5%); held here to learning
-    (well below the first loss) and to within 35%, so that a change for the worse shows."""
+    learning rate 1e-3; ~90 s): the mean loss of the last 20 steps is within 5% of the uncompressed run's with
+    onebit (measured 3.5%, sending 25.6x fewer bytes) and with topk:0.01 after 100 uncompressed steps (measured
+    4.3%; 80 give 5.4%; without a warm-up 26.5%: [Note: compression warm-up] in engine/engine.py)."""
     shape = {"strategy": "ddp", "batch_size": 4, "seq_len": 64, "optim": {"lr": 1e-3}}
-    runs = [(codec, {**shape, "compress": codec}) for codec in ("none", "onebit", "topk:0.01")]
+    runs = [(codec, {**shape, "compress": codec, "compress_warmup": warmup})
+            for codec, warmup in (("none", 0), ("onebit", 0), ("topk:0.01", 100))]
     (got, _) = run_ranks(rank_jobs.converge, 2, runs, 300, 20, env={CHAOS_ENV: ""}, timeout_s=900)
     plain, onebit, topk = got["none"], got["onebit"], got["topk:0.01"]
     assert onebit["tail_loss"] <= 1.05 * plain["tail_loss"], (onebit["tail_loss"], plain["tail_loss"])
-    assert topk["tail_loss"] <= 1.35 * plain["tail_loss"] and topk["tail_loss"] < 0.6 * topk["losses"][0]
+    assert topk["tail_loss"] <= 1.05 * plain["tail_loss"], (topk["tail_loss"], plain["tail_loss"])
+    assert topk["losses"][:100] == plain["losses"][:100]  # the warm-up's steps are the uncompressed run's
+    assert plain["wire_bytes"] / topk["wire_bytes"] > 40  # and then each step sends a 1% top-k
     assert plain["wire_bytes"] / onebit["wire_bytes"] > 25 and onebit["encode_s"] > 0 and onebit["decode_s"] > 0
     assert plain["encode_s"] == plain["decode_s"] == 0

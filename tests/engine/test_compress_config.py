@@ -44,6 +44,22 @@ def test_a_codec_for_a_strategy_that_cannot_compress_is_refused(strategy) -> Non
     TrainConfig(compress="auto", strategy=strategy)  # auto: nothing to choose there, not an error
 
 
+def test_compress_warmup_is_a_train_flag_checked_where_it_is_set() -> None:
+    """[Note: compression warm-up] in engine/engine.py: N uncompressed steps before the codec; refused without a
+    codec to delay, for node (its workers push with one codec from the first step) and below 0, each by name."""
+    config = from_mapping(TrainConfig, config_overrides(_parse(train, ["--compress", "topk:0.01",
+                                                                       "--compress-warmup", "100"])))
+    assert (config.compress, config.compress_warmup) == ("topk:0.01", 100) and TrainConfig().compress_warmup == 0
+    TrainConfig(compress="auto", compress_warmup=5)
+    with pytest.raises(ValueError, match="--compress-warmup 5 delays a codec that --compress does not name"):
+        TrainConfig(compress_warmup=5)
+    with pytest.raises(ValueError, match="--compress-warmup 5 applies to ddp, zero1 and zero2"):
+        TrainConfig(compress="onebit", compress_warmup=5, strategy="node", node="tcp://127.0.0.1:1")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="compress_warmup .--compress-warmup. must be an integer >= 0"):
+            TrainConfig(compress="onebit", compress_warmup=bad)
+
+
 def test_node_pushes_take_the_elementwise_codecs_and_refuse_the_others_by_name() -> None:
     """[Note: compressed pushes] in plan/codec.py: powersgd and auto are refused for node, naming what it takes."""
     node = {"strategy": "node", "node": "tcp://127.0.0.1:1"}
