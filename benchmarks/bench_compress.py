@@ -22,8 +22,14 @@ hook returns) is held until the bytes this rank has written to its sockets so fa
 ``--link-gbps`` link (a token bucket over ``wchar``). Both sides pay the same link for the bytes they
 really sent, with their own overlap of communication and compute. ``--link-gbps 0``: no limit.
 
+Part 3 (``--part quality``, not in ``both``): what a codec costs in loss, and what a warm-up of uncompressed
+steps buys back ([Note: compression warm-up] in luwu_rt/engine/engine.py): ours at 2 ranks, unthrottled, for
+``--quality-steps`` seeded steps (peak learning rate 1e-3, 64 KiB storage chunks: the settings of
+tests/dist/test_gloo_compressed.py), uncompressed and with ``--quality-codec`` after each ``--warmups`` count;
+the mean loss of the last 20 steps against the uncompressed run's, and the bytes sent over the whole run.
+
     python benchmarks/bench_compress.py [--model gpt-tiny] [--batch-size 4] [--seq-len 64] [--link-gbps 0.1]
-        [--codecs none,bf16,onebit,topk:0.01,powersgd:4] [--part both|codecs|training] [--out FILE]
+        [--codecs none,bf16,onebit,topk:0.01,powersgd:4] [--part both|codecs|training|quality] [--out FILE]
 """
 
 from __future__ import annotations
@@ -64,7 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--numel", type=int, default=16 << 20, help="elements of part 1's codec throughput")
     p.add_argument("--codec-rounds", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--part", default="both", choices=("both", "codecs", "training"),
+    p.add_argument("--quality-codec", default="topk:0.01", help="part 3: the codec whose warm-ups are compared")
+    p.add_argument("--warmups", default="0,40,60,80,100,150", help="part 3: uncompressed steps before the codec")
+    p.add_argument("--quality-steps", type=int, default=300, help="part 3: steps per run")
+    p.add_argument("--part", default="both", choices=("both", "codecs", "training", "quality"),
                    help="part 1 (codec throughput), part 2 (training at 2 ranks), or both")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
@@ -282,13 +291,57 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None
             dist.destroy_process_group()
 
 
-def training(args: argparse.Namespace) -> list[str]:
+def _quality_rank(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(RANKS),
+                       "LOCAL_WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "NUMBA_NUM_THREADS": "1"})
+    try:
+        torch.set_num_threads(1)
+        from luwu_rt.config import from_mapping
+        from luwu_rt.engine import Engine, TrainConfig
+
+        runs = [("none", 0)] + [(args.quality_codec, int(w)) for w in args.warmups.split(",")]
+        got = {}
+        for codec, warmup in runs:
+            config = from_mapping(TrainConfig, {
+                "model": args.model, "strategy": args.strategy, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                "steps": args.quality_steps, "eval_every": 0, "optim": {"lr": 1e-3}, "offload": {"chunk_size": "64KiB"},
+                "compress": codec, "compress_warmup": warmup})
+            with Engine(None, config) as engine:
+                metrics = [engine.train_step() for _ in range(args.quality_steps)]
+            got[f"{codec} after {warmup}" if codec != "none" else "none"] = {
+                "losses": [m["loss"] for m in metrics], "bytes": sum(m["wire_bytes"] for m in metrics)}
+        out.put((rank, "ok", got))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def quality(args: argparse.Namespace) -> list[str]:
+    got = _ranks(_quality_rank, args)[0]
+    tail = min(20, args.quality_steps)
+    base = got["none"]
+    base_tail = statistics.mean(base["losses"][-tail:])
+    lines = [f"### Quality at {RANKS} ranks: {args.model}, {args.strategy}, batch {args.batch_size} x seq "
+             f"{args.seq_len} per rank, {args.quality_steps} seeded steps, peak lr 1e-3, 64 KiB chunks", "",
+             f"| run | mean loss of the last {tail} steps | vs uncompressed | bytes sent per rank, whole run | "
+             "fewer bytes |", "|---|---|---|---|---|"]
+    for name, run in got.items():
+        mean = statistics.mean(run["losses"][-tail:])
+        lines.append(f"| {name} | {mean:.4f} | {100 * (mean / base_tail - 1):+.1f}% | {run['bytes'] / 1e6:.1f} MB | "
+                     f"{base['bytes'] / max(run['bytes'], 1):.1f}x |")
+    return lines
+
+
+def _ranks(target, args: argparse.Namespace) -> dict:
+    """What ``target(rank, args, port, out)`` of each of the ``RANKS`` processes put into ``out``, by rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args, port, out), daemon=True) for r in range(RANKS)]
+    procs = [ctx.Process(target=target, args=(r, args, port, out), daemon=True) for r in range(RANKS)]
     for p in procs:
         p.start()
     got = {}
@@ -303,7 +356,11 @@ def training(args: argparse.Namespace) -> list[str]:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return _training_report(args, got)
+    return got
+
+
+def training(args: argparse.Namespace) -> list[str]:
+    return _training_report(args, _ranks(_rank, args))
 
 
 def _training_report(args: argparse.Namespace, got: dict) -> list[str]:
@@ -352,12 +409,16 @@ def main(argv: list[str] | None = None) -> int:
                  f"--model {args.model} --batch-size {args.batch_size} --seq-len {args.seq_len} "
                  f"--strategy {args.strategy} "
                  f"--codecs {args.codecs} --link-gbps {args.link_gbps:g} --steps {args.steps} --rounds {args.rounds} "
-                 f"--numel {args.numel} --part {args.part}`", "",
+                 f"--numel {args.numel} --part {args.part}"
+                 + (f" --quality-codec {args.quality_codec} --warmups {args.warmups} --quality-steps "
+                    f"{args.quality_steps}" if args.part == "quality" else "") + "`", "",
              f"Load before: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}.", ""]
     if args.part in ("both", "codecs"):
         lines += codec_throughput(args) + [""]
     if args.part in ("both", "training"):
         lines += training(args)
+    if args.part == "quality":
+        lines += quality(args)
     load = os.getloadavg()
     lines += ["", f"Load after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; total {time.time() - started:.0f} s."]
     emit(lines, args.out)

@@ -313,7 +313,10 @@ def _p7(args) -> list[str]:
             # The bound is the IO of the bytes this step moved to and from NVMe, not the plan's count of them.
             nvme = moved_by_tier((s.name, s.nbytes) for s in engine.last_spans)["nvme"]
             io_s = _raw_io_seconds(args.nvme_dir, read_bytes=nvme["read"], write_bytes=nvme["write"])
-            rows.append({**m, "raw_io_s": io_s, "nvme_read": nvme["read"], "nvme_write": nvme["write"]})
+            # How the updates ran: in place, or with a double-buffered state committed, redone or waited for the norm.
+            update = engine.speculation.last if engine.speculation is not None else "in place"
+            rows.append({**m, "raw_io_s": io_s, "nvme_read": nvme["read"], "nvme_write": nvme["write"],
+                         "update": update})
             print(f"P7 step {i}: {m['step_s']:.1f}s, compute {m['compute_s']:.1f}s, optim {m['optim_s']:.1f}s, "
                   f"raw IO {io_s:.1f}s, loss {m['loss']:.3f}", file=sys.stderr)
         if args.trace:
@@ -351,15 +354,16 @@ def _p7_report(args, engine: Engine, rows, setup_s, measured_pred, free_before, 
              f"Load: before {load_before}; after {_load()}.", "",
              f"Bytes moved per step (plan): {moved}.", "",
              "| step | step s | tokens/s | compute s | optim s | wait s | NVMe GB read / written (executed) | "
-             "IO time s (raw, same bytes) | step / max(compute, IO) | step / max(compute + optim, IO) | loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "IO time s (raw, same bytes) | step / max(compute, IO) | step / max(compute + optim, IO) | grad norm | "
+             "updates | loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, start=1):
         bound = max(r["compute_s"], r["raw_io_s"])
         cpu_bound = max(r["compute_s"] + r["optim_s"], r["raw_io_s"])
         lines.append(f"| {i} | {r['step_s']:.2f} | {tokens / r['step_s']:.1f} | {r['compute_s']:.2f} | "
                      f"{r['optim_s']:.2f} | {r['wait_s']:.2f} | {r['nvme_read'] / _GB:.2f} / "
                      f"{r['nvme_write'] / _GB:.2f} | {r['raw_io_s']:.2f} | {r['step_s'] / bound:.2f}x | "
-                     f"{r['step_s'] / cpu_bound:.2f}x | {r['loss']:.3f} |")
+                     f"{r['step_s'] / cpu_bound:.2f}x | {r['grad_norm']:.3g} | {r['update']} | {r['loss']:.3f} |")
     ratio = statistics.median(r["step_s"] / max(r["compute_s"], r["raw_io_s"]) for r in rows)
     step_s = statistics.median(r["step_s"] for r in rows)
     lines += ["", f"Median step {step_s:.2f} s = {tokens / step_s:.1f} tokens/s. Planner's prediction: "
