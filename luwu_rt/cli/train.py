@@ -171,7 +171,8 @@ def _describe(engine) -> str:
         s = engine.strategy
         group = f" in sharding groups of {s.shard_ways}" if s.name == "hsdp" else ""
         why = " (auto: the fastest predicted step that fits)" if engine.config.strategy == "auto" else ""
-        ranks = f"; strategy {s.name} on {engine.world.size} ranks{group}{why}{_compression(s)}; per rank: peak"
+        ranks = (f"; strategy {s.name} on {engine.world.size} ranks{group}{why}"
+                 f"{_compression(s, engine.config.compress_warmup)}; per rank: peak")
     else:
         ranks = "; peak"
     return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
@@ -184,13 +185,15 @@ def _kept(engine) -> str:
     return f"forward graphs kept by {len(engine.keep_graph)} of {engine.chain.num_units - 1} units{why}"
 
 
-def _compression(strategy) -> str:
-    """How the run compresses its gradients, for the first line: the codec, and how many units use it."""
+def _compression(strategy, warmup: int) -> str:
+    """How the run compresses its gradients, for the first line: the codec, how many units use it, and from which
+    step ([Note: compression warm-up] in engine/engine.py)."""
     if not strategy.compresses:
         return ""
     codecs = [c for c in strategy.compress if c != "none"]
     kinds = ", ".join(f"{c} on {codecs.count(c)}" for c in dict.fromkeys(codecs))
-    return f", gradients compressed ({kinds} of {len(strategy.compress)} units)"
+    after = f" from step {warmup + 1}, uncompressed before" if warmup else ""
+    return f", gradients compressed ({kinds} of {len(strategy.compress)} units){after}"
 
 
 def _where(engine, tier: str) -> str:

@@ -58,6 +58,12 @@ def test_compress_warmup_is_a_train_flag_checked_where_it_is_set() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="compress_warmup .--compress-warmup. must be an integer >= 0"):
             TrainConfig(compress="onebit", compress_warmup=bad)
+    from luwu_rt.plan import Strategy
+
+    strategy = Strategy(name="ddp", world_size=2, compress=("topk:0.01", "none", "topk:0.01"))
+    assert train._compression(strategy, 100) == (", gradients compressed (topk:0.01 on 2 of 3 units) from step 101, "
+                                                 "uncompressed before")  # luwu train's first line
+    assert train._compression(strategy, 0) == ", gradients compressed (topk:0.01 on 2 of 3 units)"
 
 
 def test_node_pushes_take_the_elementwise_codecs_and_refuse_the_others_by_name() -> None:
