@@ -241,12 +241,17 @@ def _peer(args: argparse.Namespace, name: str, link: Link):
     return step, None
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None:
+def _rank_env(rank: int, port: int) -> None:
+    """This process as rank ``rank`` of ``RANKS`` on loopback, one torch thread and one Numba thread."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(RANKS),
                        "LOCAL_WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "NUMBA_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None:
+    _rank_env(rank, port)
     try:
-        torch.set_num_threads(1)
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
@@ -292,11 +297,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None
 
 
 def _quality_rank(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(RANKS),
-                       "LOCAL_WORLD_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "NUMBA_NUM_THREADS": "1"})
+    _rank_env(rank, port)
     try:
-        torch.set_num_threads(1)
         from luwu_rt.config import from_mapping
         from luwu_rt.engine import Engine, TrainConfig
 
