@@ -270,8 +270,9 @@ class Engine:
     def _plans_for(self, budgets: Budgets, *, step: SwapPlan | None = None, halves: bool | None = None,
                    check: bool = False) -> tuple[tuple[SwapPlan, ...], dict[str, tuple[SwapPlan, SwapPlan]] | None]:
         """Every plan this run makes over its store with ``budgets`` - the step's (a double-buffered optimizer
-        state's speculative one), evaluation's, the other halves' - and the halves by name (``None``: one
-        half, ``_double_buffered``). ``step``: the step's plan of a state with one half, made already;
+        state's speculative one), evaluation's, a compression warm-up's (third, when ``_warms``), the other
+        halves' - and the halves by name (``None``: one half, ``_double_buffered``). ``step``: the step's plan of
+        a state with one half, made already;
         ``halves``: whether the state must have two (else ``ValueError``, as for a plan that does not fit);
         ``check``: each plan validated."""
         made = self._double_buffered(budgets)

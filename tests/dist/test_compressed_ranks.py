@@ -37,8 +37,9 @@ def _run(tmp_path, io, name, codec, *, world=2, micro_batches=1, placement=HOST,
     # A warm-up's steps (--compress-warmup): the uncompressed step planned over the same store, same handlers.
     warm = [Executor(plan_step(replace(model, uncompressed=True), budgets=budgets, placement=placement,
                                strategy=strategy), store=r.store, handlers=r.executor.handlers,
-                     chaos=r.executor.chaos) for r in ranks]
-    validate_ranks([w.plan for w in warm])
+                     chaos=r.executor.chaos) for r in ranks] if warmup else compressed
+    if warmup:
+        validate_ranks([w.plan for w in warm])
     for step in range(1, steps + 1):
         for r, executor in zip(ranks, warm if step <= warmup else compressed):
             r.executor = executor
