@@ -527,8 +527,10 @@ def estimate(plan: SwapPlan, profile: HardwareProfile, *, node: SwapPlan | None 
     run, node_run = _runs(plan, profile, node)
     cost = step_cost(run, node_run)
     if steady and plan.wrap_deps and node is None:
-        disk_s = _queue_load(run.busy, "", nvme_overlap=run.nvme_overlap).get("nvme", 0.0)
-        cost = dataclasses.replace(cost, predicted_step_s=max(steady_seconds(plan, profile), disk_s))
+        # The pipeline hides the tail, not the work: a period still needs its disk and its shared cores.
+        load = _queue_load(run.busy, "", cpu_overlap=run.cpu_overlap, nvme_overlap=run.nvme_overlap)
+        bound = max(load.get("nvme", 0.0), load.get("cores", 0.0))
+        cost = dataclasses.replace(cost, predicted_step_s=max(steady_seconds(plan, profile), bound))
     return cost
 
 

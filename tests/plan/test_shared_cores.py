@@ -8,7 +8,7 @@ import pytest
 
 from luwu_rt.models.presets import get_preset
 from luwu_rt.plan import Budgets, HardwareProfile, Placement, Strategy, estimate, gpt_model_spec, plan_step
-from luwu_rt.plan.cost import SHARED_CORE_QUEUES
+from luwu_rt.plan.cost import SHARED_CORE_QUEUES, steady_seconds
 from luwu_rt.testing import simulate
 
 PROFILE = HardwareProfile(compute_flops=2e9, h2d_gbps=0.5, d2h_gbps=0.5, host_optim_params_per_s=2e6,
@@ -52,3 +52,16 @@ def test_gloo_reduce_scatter_and_all_gather_take_the_factor():
     assert busier["reduce"] > busy["reduce"]  # the reduce-scatters; the norm's all-reduce is not scaled
     ddp = _plan(Strategy(name="ddp", world_size=2))
     assert estimate(ddp, slow).busy_s["reduce"] == pytest.approx(estimate(ddp, PROFILE).busy_s["reduce"])
+
+
+def test_a_step_in_steady_state_still_needs_its_shared_cores():
+    """The pipeline across steps hides the write-backs of the tail, not the work of the queues sharing the
+    cores: a steady step is shorter than a cold one only down to that bound (it once fell to the critical path)."""
+    plan = _plan(Strategy(name="zero3", world_size=2))
+    assert plan.wrap_deps
+    serial = dataclasses.replace(PROFILE, cpu_overlap=0.0)
+    steady = estimate(plan, serial, steady=True)
+    shared = sum(steady.busy_s.get(q, 0.0) for q in SHARED_CORE_QUEUES)
+    assert steady_seconds(plan, serial) < shared, "a case where the bound matters"
+    assert steady.predicted_step_s == pytest.approx(shared)
+    assert estimate(plan, PROFILE, steady=True).predicted_step_s == steady_seconds(plan, PROFILE)
