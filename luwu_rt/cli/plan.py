@@ -267,8 +267,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     validate(result.plan)  # never report a plan that breaks an invariant
     node_plan = None if node is None else node.plan
-    halves = None if node is not None else plan_speculative(model, budgets=budgets, placement=result.placement,
-                                                              strategy=strategy, policy=policy)
+    # A compression warm-up runs without a double-buffered state ([Note: compression warm-up] in engine/engine.py).
+    warmup = config.compress_warmup if strategy.compresses else 0
+    halves = None if node is not None or warmup else plan_speculative(
+        model, budgets=budgets, placement=result.placement, strategy=strategy, policy=policy)
     if halves is not None:  # the plan luwu train runs: updates speculate ([Note: speculative updates])
         result = dataclasses.replace(result, plan=halves["speculate"][0])
         validate(result.plan)
@@ -279,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
         from luwu_rt.cli.plan_compress import describe_compression
 
         report["compression"] = describe_compression(model, result, request=config.compress, profile=profile,
-                                                     budgets=budgets, placement=placement, policy=args.policy)
+                                                     budgets=budgets, placement=placement, policy=args.policy,
+                                                     warmup=warmup)
     if node is not None:
         validate(node.plan)
         report["node"] = _describe_node(node, cost, model=model, num_shards=args.node_shards or 1)

@@ -8,9 +8,11 @@ from typing import Any
 __all__ = ["compression_text", "describe_compression"]
 
 
-def describe_compression(model, result, *, request: str, profile, budgets, placement, policy: str) -> dict[str, Any]:
+def describe_compression(model, result, *, request: str, profile, budgets, placement, policy: str,
+                         warmup: int = 0) -> dict[str, Any]:
     """The ``compression`` part of ``luwu plan``'s report for the plan of ``result`` (``--compress request``):
-    per unit, and the step predicted with the uncompressed plan of the same strategy and placement."""
+    per unit, and the step predicted with the uncompressed plan of the same strategy and placement; with
+    ``warmup`` (``--compress-warmup``) also the step its first ``warmup`` steps run, as the engine plans it."""
     from dataclasses import replace
 
     from luwu_rt.plan import estimate, plan_step
@@ -29,9 +31,15 @@ def describe_compression(model, result, *, request: str, profile, budgets, place
     plain = plan_step(model, budgets=budgets, placement=result.placement, strategy=replace(strategy, compress=()),
                       policy=policy)
     plain_s = estimate(plain, profile).predicted_step_s
-    return {"request": request, "units": units, "wire_bytes_per_step": wire_bytes(result.plan),
-            "uncompressed_wire_bytes_per_step": wire_bytes(plain), "uncompressed_step_s": plain_s,
-            "saved_s": plain_s - result.cost.predicted_step_s}
+    report = {"request": request, "units": units, "wire_bytes_per_step": wire_bytes(result.plan),
+              "uncompressed_wire_bytes_per_step": wire_bytes(plain), "uncompressed_step_s": plain_s,
+              "saved_s": plain_s - result.cost.predicted_step_s}
+    if warmup:  # the engine's warm-up plan: over the same store, the codec's shards laid out and untouched
+        warm = plan_step(replace(model, uncompressed=True), budgets=budgets, placement=result.placement,
+                         strategy=strategy, policy=policy)
+        report["warmup"] = {"steps": warmup, "wire_bytes_per_step": wire_bytes(warm),
+                            "step_s": estimate(warm, profile, steady=True).predicted_step_s}
+    return report
 
 
 def compression_text(c: dict[str, Any], predicted_s: float) -> list[str]:
@@ -51,4 +59,9 @@ def compression_text(c: dict[str, Any], predicted_s: float) -> list[str]:
                  f"{format_size(c['uncompressed_wire_bytes_per_step'])} ({format_size(max(saved, 0))} saved); "
                  f"predicted {predicted_s:.3g} s instead of {c['uncompressed_step_s']:.3g} s "
                  f"({c['saved_s']:+.3g} s saved)")
+    if "warmup" in c:
+        w = c["warmup"]
+        lines.append(f"  steps 1..{w['steps']} (--compress-warmup): uncompressed, "
+                     f"{format_size(w['wire_bytes_per_step'])} sent per rank, predicted {w['step_s']:.3g} s; "
+                     f"the codec from step {w['steps'] + 1}")
     return lines

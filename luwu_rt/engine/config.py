@@ -231,7 +231,7 @@ class TrainConfig:
     compress_warmup: int = field(default=0, metadata=flag(
         "optimizer steps that synchronise uncompressed before --compress starts (DeepSpeed 1-bit Adam's freeze_step, "
         "DGC's warm-up): a sparse codec such as topk:0.01 under Adam trains far slower while the loss falls "
-        "fastest; not node", metavar="N"))
+        "fastest; not node", metavar="N", plans=True))
     """Steps 1..N of the run synchronise their gradients uncompressed, the later ones through ``compress`` ([Note:
     compression warm-up] in engine/engine.py); 0: compressed from the first step."""
     shard_group_size: int = field(default=0, metadata=flag(

@@ -186,6 +186,28 @@ def test_luwu_plan_shows_each_units_codec_and_what_it_saves(capsys, tmp_path) ->
     assert "compression" not in json.loads(capsys.readouterr().out)
 
 
+def test_luwu_plan_answers_for_a_compression_warm_up(capsys, tmp_path) -> None:
+    """``--compress-warmup N`` is a flag of ``luwu plan`` too: it shows the uncompressed step the first N steps run,
+    and the compressed step as the engine runs it beside a warm-up, without a double-buffered optimizer state."""
+    import json
+
+    from luwu_rt.cli.main import main
+
+    argv = ["plan", "--model", "gpt-tiny", "--world-size", "2", "--strategy", "ddp", "--compress", "topk:0.01",
+            "--grad-clip", "1.0", "--offload-optimizer", "nvme", "--nvme-dir", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    cold = json.loads(capsys.readouterr().out)
+    assert cold["updates"].startswith("speculative") and "warmup" not in cold["compression"]
+    assert main([*argv, "--compress-warmup", "100"]) == 0
+    warm = json.loads(capsys.readouterr().out)
+    w = warm["compression"]["warmup"]
+    assert w["steps"] == 100 and warm["updates"].startswith("after the step's gradient norm")
+    assert w["wire_bytes_per_step"] == warm["compression"]["uncompressed_wire_bytes_per_step"]
+    assert w["wire_bytes_per_step"] > 40 * warm["compression"]["wire_bytes_per_step"] and w["step_s"] > 0
+    assert main(argv[:-1] + ["--compress-warmup", "100"]) == 0
+    assert "steps 1..100 (--compress-warmup): uncompressed" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
 def test_encode_exchange_and_decode_overlap_the_backward_of_lower_units(name) -> None:
     """A unit's encode, transfer and decode depend on its own backward only: in the simulated step the last
