@@ -1,15 +1,15 @@
 """`luwu calibrate`: measure this machine in about a minute and write the hardware profile the planner uses.
 
-Every figure of ``HardwareProfile`` that one machine can measure of itself (probes.py): the IO engine's
-NVMe read, write and mixed bandwidth on ``--nvme-dir``'s disk (block size and queue depth swept, the best
-kept); host <-> device copies; the fused optimizer; the compute rate of a model's units as the engine runs
-them; gloo collectives between two local ranks (latency and bandwidth); the node protocol over ZeroMQ; host
-memory bandwidth; the gradient codecs' encode and decode (on one rank's share of the cores); and how the
-queues that share the host's cores slow each other (``cpu_overlap``), as the disk's reads and writes do
-(``nvme_overlap``). On one machine the optimizer node's figures are the host's own. The profile goes to this
-machine's cache, where ``luwu plan``, ``luwu train`` and ``--strategy auto`` find it by default ([Note: which
-profile] in engine/hwprofile.py), and to ``--out FILE``. Its notes (``_machine``, ``_measured``) say what was
-measured, where, and under what load.
+Every figure of ``HardwareProfile`` that one machine can measure of itself (probes.py): the IO engine's NVMe
+read, write and mixed bandwidth on ``--nvme-dir``'s disk (block size and queue depth swept, the best kept); host
+<-> device copies; the fused optimizer; the compute rate of a model's units as the engine runs them; gloo
+collectives between two local ranks (latency and bandwidth); the node protocol over ZeroMQ; host memory
+bandwidth; the gradient codecs' encode and decode (on one rank's share of the cores); and how the queues that
+share the host's cores slow each other (``cpu_overlap``), as the disk's reads and writes do (``nvme_overlap``),
+and the cores' time the store's checksums of the disk's traffic take (``nvme_core_s_per_gb``). On one machine
+the optimizer node's figures are the host's own. The profile goes to this machine's cache, where ``luwu plan``,
+``luwu train`` and ``--strategy auto`` find it by default ([Note: which profile] in engine/hwprofile.py), and to
+``--out FILE``. Its notes (``_machine``, ``_measured``) say what was measured, where, and under what load.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         "node_gbps": zmq_gbps, "node_latency_s": zmq_latency, "node_optim_params_per_s": host_optim,
         "node_mem_gbps": mem, "node_nvme_read_gbps": disk["read_gbps"], "node_nvme_write_gbps": disk["write_gbps"],
         "cpu_overlap": shared["cpu_overlap"], "nvme_overlap": disk["overlap"],
+        "nvme_core_s_per_gb": disk["core_s_per_gb"],
         **codecs,
         "shard_collective_factor": max(1.0, net_gbps * (1 / coll["gbps"]["reduce_scatter"]
                                                         + 1 / coll["gbps"]["all_gather"]) / 2),

@@ -210,6 +210,8 @@ class Timeline(NamedTuple):
     """The profile's ``cpu_overlap``, for the step's bound of shared cores ([Note: shared cores])."""
     nvme_overlap: float = 0.0
     """The profile's ``nvme_overlap``, for the step's bound of one disk ([Note: one disk])."""
+    nvme_core_s_per_gb: float = 0.0
+    """The profile's ``nvme_core_s_per_gb``: the cores' share of the disk's traffic ([Note: shared cores])."""
 
     @property
     def times(self) -> tuple[tuple[float, float], ...]:
@@ -447,15 +449,15 @@ def timelines(plans: Sequence[SwapPlan], profile: HardwareProfile, *, synced: bo
             seconds[id(plan)] = [0.0 if op.queue == "mem" else costs.seconds(op) for op in plan.ops]
     lanes = [_Lane(r, plan, seconds[id(plan)], disturbance) for r, plan in enumerate(plans)]
     _Play(lanes, synced=synced, not_before=not_before or {}).run()
-    return tuple(lane.timeline()._replace(cpu_overlap=profile.cpu_overlap,
-                                                 nvme_overlap=profile.nvme_overlap) for lane in lanes)
+    return tuple(lane.timeline()._replace(cpu_overlap=profile.cpu_overlap, nvme_overlap=profile.nvme_overlap,
+                                          nvme_core_s_per_gb=profile.nvme_core_s_per_gb) for lane in lanes)
 
 
 def step_seconds(run: Timeline) -> float:
     """Step time of one simulated rank: when its last op completes, and at least the time its disk is busy
     reading and writing ([Note: one disk]) and its shared cores are busy ([Note: shared cores])."""
     last = max((t for t in run.done if t != math.inf), default=0.0)
-    load = _queue_load(run.busy, "", cpu_overlap=run.cpu_overlap, nvme_overlap=run.nvme_overlap)
+    load = _queue_load(run)
     return max(last, load.get("nvme", 0.0), load.get("cores", 0.0))
 
 
@@ -528,7 +530,7 @@ def estimate(plan: SwapPlan, profile: HardwareProfile, *, node: SwapPlan | None 
     cost = step_cost(run, node_run)
     if steady and plan.wrap_deps and node is None:
         # The pipeline hides the tail, not the work: a period still needs its disk and its shared cores.
-        load = _queue_load(run.busy, "", cpu_overlap=run.cpu_overlap, nvme_overlap=run.nvme_overlap)
+        load = _queue_load(run)
         bound = max(load.get("nvme", 0.0), load.get("cores", 0.0))
         cost = dataclasses.replace(cost, predicted_step_s=max(steady_seconds(plan, profile), bound))
     return cost
@@ -545,12 +547,11 @@ def steady_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
 
 def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:
     """The ``StepCost`` of a simulated worker rank (``timelines``), with the optimizer node's run beside it."""
-    candidates = _queue_load(run.busy, "", cpu_overlap=run.cpu_overlap, nvme_overlap=run.nvme_overlap)
+    candidates = _queue_load(run)
     predicted = step_seconds(run)
     node_fields = {}
     if node_run is not None:
-        node_load = _queue_load(node_run.busy, NODE_PREFIX, cpu_overlap=node_run.cpu_overlap,
-                                nvme_overlap=node_run.nvme_overlap)
+        node_load = _queue_load(node_run, NODE_PREFIX)
         candidates.update(node_load)
         # Once per step the node must get through its busiest queue and its disk, whatever overlaps.
         predicted = max(predicted, max(node_load.values(), default=0.0))
@@ -560,10 +561,9 @@ def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:
     return StepCost(predicted_step_s=predicted, bottleneck=bottleneck, busy_s=run.busy, io_bytes=run.io, **node_fields)
 
 
-def _queue_load(busy: Mapping[str, float], prefix: str, *, cpu_overlap: float = 1.0,
-                nvme_overlap: float = 0.0) -> dict[str, float]:
-    """Busy seconds per queue, ``nvme`` for the disk ([Note: one disk]) and ``cores`` for the shared cores
-    ([Note: shared cores]), each when it is busier than any queue.
+def _queue_load(run: Timeline, prefix: str = "") -> dict[str, float]:
+    """Busy seconds per queue of ``run``, ``nvme`` for the disk ([Note: one disk]) and ``cores`` for the shared
+    cores ([Note: shared cores]), each when it is busier than any queue.
 
     [Note: one disk] Reads and writes have their own queues so that neither waits behind the
     other, but one NVMe device serves both from one budget of time. How much of it they share is the
@@ -573,15 +573,17 @@ def _queue_load(busy: Mapping[str, float], prefix: str, *, cpu_overlap: float = 
     offload-step); ``luwu calibrate`` measures it from a read and a write at once against each alone:
     0.37 on this project's development disk in December 2026 (3.07 GB each way: 1.10 s read alone,
     0.93 s written alone, 1.69 s at once)."""
+    busy = run.busy
     load = {prefix + q: s for q, s in busy.items()}
     busiest = max(busy.values(), default=0.0)
     read_s, write_s = busy.get("nvme_read", 0.0), busy.get("nvme_write", 0.0)
-    disk_s = read_s + write_s - nvme_overlap * min(read_s, write_s)
+    disk_s = read_s + write_s - run.nvme_overlap * min(read_s, write_s)
     if disk_s > busiest:
         load[prefix + "nvme"] = disk_s
-    if cpu_overlap < 1.0:  # 1: no bound, and not a rounding of one either
-        shared = [busy.get(q, 0.0) for q in SHARED_CORE_QUEUES]
-        cores_s = sum(shared) - cpu_overlap * (sum(shared) - max(shared))
+    if run.cpu_overlap < 1.0:  # 1: no bound, and not a rounding of one either
+        disk_bytes = sum(run.io.get("nvme", {}).values())
+        shared = [busy.get(q, 0.0) for q in SHARED_CORE_QUEUES] + [run.nvme_core_s_per_gb * disk_bytes / _GB]
+        cores_s = sum(shared) - run.cpu_overlap * (sum(shared) - max(shared))
         if cores_s > busiest:
             load[prefix + "cores"] = cores_s
     return load
@@ -598,4 +600,6 @@ timed at the rate measured alone, but on a machine with few cores the queues run
 alone. So, like the disk, a step takes at least ``sum - cpu_overlap * (sum - max)`` of these queues' busy times:
 with ``cpu_overlap`` 1 (a GPU machine: the device computes, DMA engines copy, NCCL reduces) only the busiest, with 0
 their sum. A bound on the whole step, not a slower op: where the work overlaps within the step is left to the
-critical path."""
+critical path. The disk's traffic takes the cores too, though not its queues' time: the store checksums every
+chunk it reads or writes (CRC-32C, about 12 GB/s on one core here), so ``nvme_core_s_per_gb`` seconds per GB
+moved count as one more of these queues (gpt-small out of core moves 0.96 GB to and from the disk a step)."""

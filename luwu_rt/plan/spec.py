@@ -327,12 +327,17 @@ class HardwareProfile:
     once, 0 to 1: 0 (the default) none, the two take their sum ([Note: one disk] in cost.py); 1 fully, as if
     each had a disk of its own. ``luwu calibrate`` measures it: a read and a write at once against each
     alone."""
+    nvme_core_s_per_gb: float = 0.0
+    """Seconds of the host's cores that each GB moved to or from the disk takes: the store's CRC-32C of every
+    chunk it writes or reads back. It counts among the queues that share the cores ([Note: shared cores] in
+    cost.py); 0 (the default) for none. ``luwu calibrate`` measures it: the checksums of 128 MiB in the store's
+    chunks (about 0.08 s per GB on this project's 2-core machine)."""
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         _check_positive("HardwareProfile", **{k: v for k, v in values.items()
-                                              if not k.endswith(("_latency_s", "_overlap"))})
-        for name in (k for k in values if k.endswith("_latency_s")):
+                                              if not k.endswith(("_latency_s", "_overlap", "_per_gb"))})
+        for name in (k for k in values if k.endswith(("_latency_s", "_per_gb"))):
             if not values[name] >= 0:  # zero latency is a valid what-if; NaN is not
                 raise ValueError(f"HardwareProfile.{name} must not be negative, got {values[name]}")
         for name in (k for k in values if k.endswith("_overlap")):

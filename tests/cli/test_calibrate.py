@@ -37,7 +37,8 @@ def test_calibrate_writes_a_profile_that_plan_and_train_use(tmp_path, cache, cap
         assert f.name in values, f"calibrate measures {f.name}"
     assert 0.0 <= profile.cpu_overlap <= 1.0 and profile.shard_collective_factor >= 1.0
     assert notes["_machine"]["cores"] >= 1 and notes["_measured"]["compute"]["model"] == "gpt-tiny"
-    assert {"read_gbps", "write_gbps", "mixed_gbps", "sweep"} <= set(notes["_measured"]["nvme"])
+    assert {"read_gbps", "write_gbps", "mixed_gbps", "sweep", "checksum_gbps"} <= set(notes["_measured"]["nvme"])
+    assert profile.nvme_core_s_per_gb > 0, "the store's checksums alone take the cores' time"
     # luwu plan without --profile finds the cached calibration, and says so first.
     assert main(["plan", "--nvme-size", "0", "--world-size", "2", "--strategy", "auto", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)

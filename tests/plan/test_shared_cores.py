@@ -65,3 +65,25 @@ def test_a_step_in_steady_state_still_needs_its_shared_cores():
     assert steady_seconds(plan, serial) < shared, "a case where the bound matters"
     assert steady.predicted_step_s == pytest.approx(shared)
     assert estimate(plan, PROFILE, steady=True).predicted_step_s == steady_seconds(plan, PROFILE)
+
+
+def test_the_disks_traffic_takes_its_share_of_the_cores():
+    """``nvme_core_s_per_gb``: the checksums and the kernel's work of each GB moved to or from the disk count among
+    the queues that share the cores; at 0 (the default) the bound is what it was."""
+    model = gpt_model_spec(get_preset("gpt-tiny"), batch_size=2, seq_len=64, chunk_bytes=1 << 16)
+    plan = plan_step(model, budgets=Budgets(device_bytes=64 << 20, host_bytes=8 << 20),
+                     placement=Placement(params="nvme", optimizer="nvme", grads="host"))
+    serial = dataclasses.replace(PROFILE, cpu_overlap=0.0)
+    before = estimate(plan, serial)
+    disk_gb = sum(before.io_bytes["nvme"].values()) / 1e9
+    shared = sum(before.busy_s.get(q, 0.0) for q in SHARED_CORE_QUEUES)
+    assert disk_gb > 0 and before.predicted_step_s >= shared
+    after = estimate(plan, dataclasses.replace(serial, nvme_core_s_per_gb=10.0))
+    assert after.predicted_step_s == pytest.approx(shared + 10.0 * disk_gb) and after.bottleneck == "cores"
+    assert estimate(plan, dataclasses.replace(serial, nvme_core_s_per_gb=10.0), steady=True).predicted_step_s \
+        == pytest.approx(after.predicted_step_s)
+    # Queues with cores of their own (cpu_overlap 1, a GPU server's default) have no such bound.
+    assert estimate(plan, dataclasses.replace(PROFILE, nvme_core_s_per_gb=10.0)).predicted_step_s \
+        == estimate(plan, PROFILE).predicted_step_s
+    with pytest.raises(ValueError, match="nvme_core_s_per_gb must not be negative"):
+        HardwareProfile(nvme_core_s_per_gb=-1.0)
