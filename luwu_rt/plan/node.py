@@ -170,13 +170,14 @@ def _check(model: ModelSpec, placement: Placement, *, num_workers: int, shard_in
                              f"plan_node_auto)")
 
 
-def node_lower_bounds(model: ModelSpec, *, placement: Placement, num_shards: int = 1) -> dict[str, int]:
-    """Bytes each node tier needs at the very least: the home copies of its persistent states, the
-    gradients and norms that live at home from their write to their last read (with exact clipping
-    every unit's gradient at once), and the largest set of other shards one step touches on the host
-    (at least one staged shard when params or grads live on NVMe). The planner may need a little
-    more (fragmentation)."""
-    layout = node_layout(model, num_shards=num_shards)
+def node_lower_bounds(model: ModelSpec, *, placement: Placement, num_shards: int = 1,
+                      shard_index: int = 0) -> dict[str, int]:
+    """Bytes each tier of node process ``shard_index`` needs at the very least: the home copies of its
+    persistent states, the gradients and norms that live at home from their write to their last read (with
+    exact clipping every unit's gradient at once), and the largest set of other shards one step touches on
+    the host (at least one staged shard when params or grads live on NVMe). The planner may need a little
+    more (fragmentation). Process 0 holds the most ([Note: node layout]): its bounds hold for every process."""
+    layout = node_layout(model, shard_index=shard_index, num_shards=num_shards)
     steps = node_steps(model, layout, num_workers=1, num_shards=num_shards, streamed=placement.optimizer == "nvme")
     home = {s: home_of(s.state, placement) for s in layout}
     span: dict[ShardId, list[int]] = {}

@@ -219,7 +219,9 @@ def node_cases(draw):
 @given(case=node_cases(), data=st.data())
 def test_random_node_plans_are_valid_or_a_clear_error(case, data):
     model, placement, workers, shards, index = case
-    bounds = node_lower_bounds(model, placement=placement, num_shards=shards)
+    bounds = node_lower_bounds(model, placement=placement, num_shards=shards, shard_index=index)
+    first = node_lower_bounds(model, placement=placement, num_shards=shards)
+    assert all(bounds[t] <= first[t] for t in bounds), "process 0's bounds hold for every process"
     near = data.draw(st.booleans(), label="near the lower bounds")
     total = sum(i.nbytes for i in node_layout(model, num_shards=shards).values())
     host = data.draw(st.floats(0.9, 1.5).map(lambda f: int(f * bounds["host"])) if near else st.integers(0, 2 * total),
