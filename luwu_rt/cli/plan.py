@@ -267,8 +267,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     validate(result.plan)  # never report a plan that breaks an invariant
     node_plan = None if node is None else node.plan
-    # A compression warm-up runs without a double-buffered state ([Note: compression warm-up] in engine/engine.py).
-    warmup = config.compress_warmup if strategy.compresses else 0
+    from luwu_rt.engine.strategy import warmup_steps
+
+    warmup = warmup_steps(config.compress_warmup, strategy)  # a run with a warm-up has no double-buffered state
     halves = None if node is not None or warmup else plan_speculative(
         model, budgets=budgets, placement=result.placement, strategy=strategy, policy=policy)
     if halves is not None:  # the plan luwu train runs: updates speculate ([Note: speculative updates])

@@ -53,7 +53,7 @@ from luwu_rt.engine.config import TrainConfig, resumed_settings
 from luwu_rt.engine.hwprofile import choose_profile, per_rank
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_checkpoint, verify_checkpoint
-from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest
+from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest, warmup_steps
 from luwu_rt.engine.kept import plan_kept
 from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.exec import (Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, SpeculativeRuns,
@@ -317,7 +317,7 @@ class Engine:
 
     def _warms(self) -> bool:
         """Whether the run's first steps synchronise uncompressed ([Note: compression warm-up])."""
-        return bool(self.config.compress_warmup) and self.strategy.compresses
+        return bool(warmup_steps(self.config.compress_warmup, self.strategy))
 
     def _plans(self) -> list[SwapPlan]:
         """Every training plan this engine may run (the step's; with a double-buffered state every half's)."""

@@ -22,7 +22,14 @@ from luwu_rt.plan.ops import Collective
 from luwu_rt.plan.search import PlanResult
 from luwu_rt.plan.spec import DATA_PARALLEL, Strategy
 
-__all__ = ["candidate_strategies", "choose_plan", "plan_digest"]
+__all__ = ["candidate_strategies", "choose_plan", "plan_digest", "warmup_steps"]
+
+
+def warmup_steps(compress_warmup: int, strategy: Strategy) -> int:
+    """Steps that synchronise uncompressed before the codec starts ([Note: compression warm-up] in engine.py):
+    ``--compress-warmup`` where ``strategy`` compresses, else none. Such a run has one plan per step kind: no
+    double-buffered optimizer state. The engine and ``luwu plan`` both ask this."""
+    return compress_warmup if strategy.compresses else 0
 
 
 def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0,
