@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from luwu_rt.dist.compressed import CodecHandlers
-from luwu_rt.exec.executor import Handle, Views, WaitAll
+from luwu_rt.exec.executor import DONE, Handle, Views, WaitAll
 from luwu_rt.exec.norm import NormHandlers
 from luwu_rt.exec.views import state_dtypes, typed_views
 from luwu_rt.plan.ops import Collective, Gather, NormReduce, Reduce, ShardId, ShardInfo
@@ -71,13 +71,23 @@ class TorchGroup:
     [Note: collectives on gloo]
     Measured on the wire (benchmarks/bench_dist.py), gloo's reduce-scatter sends
     as much as a whole all-reduce, twice the ring algorithm's (N-1)/N of the
-    buffer. On gloo a reduce-scatter is therefore an all-to-all of the N
-    pieces, which moves exactly (N-1)/N, followed by a local sum of the N
-    received pieces in rank order. An all-gather whose outputs are consecutive
-    pieces of one buffer (a unit's full buffer cut by rank) gathers straight
-    into that buffer (``all_gather_single``, what torch 2.13 calls the former
-    ``all_gather_into_tensor``: the same collective, the same bytes), without
-    the staging copies of the list form."""
+    buffer, and its all-gather (``all_gather_single`` too) gathers into a
+    flat buffer of its own, the whole unit, then copies out of it. Both of a
+    unit's worth of temporaries came from the C heap each time, on gloo's and
+    the queues' threads, and fragmented it: a zero3 rank of gpt-small held
+    300-570 MiB in malloc for 170-200 in use (benchmarks/results/2026-12-07-rss.md).
+    On gloo both collectives are therefore point-to-point, each piece sent
+    straight from where it lies and received straight where it goes, the
+    (N-1)/N of the ring algorithm and no staging copy: an all-gather sends
+    this rank's slice to every other rank and receives each rank's piece into
+    its place in the full buffer; a reduce-scatter sends piece r of the full
+    buffer to rank r, receives the lowest other rank's piece into the output
+    and any further rank's into a temporary (none on 2 ranks), and sums the
+    pieces in rank order (what a sum of the N stacked pieces computes, bit
+    for bit). Each call's messages carry a tag of their own, counted alike on
+    every rank (ranks call in the same order), so two calls in flight on one
+    group never take each other's pieces. NCCL's collectives write in place
+    and keep their own algorithms."""
 
     def __init__(self, group: object | None = None) -> None:
         import torch.distributed as dist
@@ -87,6 +97,14 @@ class TorchGroup:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self._gloo = dist.get_backend(group) == "gloo"
+        self._calls = 0  # point-to-point calls so far: their tags ([Note: collectives on gloo])
+
+    def _tag(self) -> int:
+        self._calls += 1
+        return self._calls % (1 << 31)
+
+    def _peers(self) -> list[int]:
+        return [r for r in range(self.size) if r != self.rank]
 
     def all_reduce(self, tensor: torch.Tensor) -> Handle:
         return self._dist.all_reduce(tensor, group=self.group, async_op=True)
@@ -94,16 +112,32 @@ class TorchGroup:
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Handle:
         if not self._gloo:
             return self._dist.reduce_scatter(output, list(inputs), group=self.group, async_op=True)
-        send = torch.cat([t.reshape(-1) for t in inputs])  # [Note: collectives on gloo]
-        received = torch.empty_like(send)
-        work = self._dist.all_to_all_single(received, send, group=self.group, async_op=True)
+        if self.size == 1:
+            output.copy_(inputs[0])
+            return DONE
+        tag, peers = self._tag(), self._peers()  # [Note: collectives on gloo]
+        received = {peers[0]: output.view(-1)}
+        received.update({p: torch.empty_like(output).view(-1) for p in peers[1:]})
+        work = [self._dist.isend(inputs[p].reshape(-1), group=self.group, group_dst=p, tag=tag) for p in peers]
+        work += [self._dist.irecv(received[p], group=self.group, group_src=p, tag=tag) for p in peers]
+        received[self.rank] = inputs[self.rank].reshape(-1)
 
-        def add_up() -> None:
-            torch.sum(received.view(self.size, -1), dim=0, out=output.view(-1))
+        def add_up() -> None:  # in rank order; the first two in either order (a + b is b + a exactly)
+            acc = received[peers[0]]
+            for r in range(self.size):
+                if r != peers[0]:
+                    acc.add_(received[r])
 
-        return WaitAll([work], add_up)
+        return WaitAll(work, add_up)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
+        if self._gloo:  # [Note: collectives on gloo]
+            tag, flat = self._tag(), input.reshape(-1)
+            outputs[self.rank].view(-1).copy_(flat)
+            work = [self._dist.isend(flat, group=self.group, group_dst=p, tag=tag) for p in self._peers()]
+            work += [self._dist.irecv(outputs[p].view(-1), group=self.group, group_src=p, tag=tag)
+                     for p in self._peers()]
+            return WaitAll(work)
         whole = _joined(outputs)
         if whole is not None:
             return self._dist.all_gather_single(whole, input, group=self.group, async_op=True)

@@ -85,6 +85,47 @@ def gather_into_one_buffer(rank: int) -> list[float]:
     return whole.tolist()
 
 
+def point_to_point_collectives(rank: int) -> dict[str, bool]:
+    """``TorchGroup``'s gloo reduce-scatter and all-gather ([Note: collectives on gloo]) on the world and on a
+    subgroup that leaves rank 1 out: every rank checks its result against the collective's definition, bit for
+    bit, with two calls of a kind in flight on one group before either is waited for."""
+    import torch
+    import torch.distributed as dist
+
+    from luwu_rt.dist.collectives import TorchGroup
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    members = [r for r in range(world) if r != 1]
+    sub = dist.new_group(members)  # every rank creates it; only its members use it
+    checks = {}
+    for name, ranks in (("world", list(range(world))), ("subgroup", members)):
+        if rank not in ranks:
+            continue
+        group = TorchGroup(None if name == "world" else sub)
+        size, me = len(ranks), ranks.index(rank)
+
+        def full(of: int, call: int) -> torch.Tensor:  # what rank ``of`` (a group rank) reduce-scatters
+            g = torch.Generator().manual_seed(1000 * call + of)
+            return torch.randn(size * 5, generator=g) * 10 ** torch.randint(-3, 4, (size * 5,), generator=g)
+
+        outs = [torch.empty(5), torch.empty(5)]
+        handles = [group.reduce_scatter(outs[c], list(full(me, c).split(5))) for c in range(2)]
+        for h in reversed(handles):
+            h.wait()
+        want = [torch.stack([full(r, c) for r in range(size)]).sum(0).split(5)[me] for c in range(2)]
+        checks[f"{name} reduce_scatter"] = all(torch.equal(o, w) for o, w in zip(outs, want))
+        wholes = [torch.zeros(3 * size), torch.zeros(3 * size)]
+        handles = [group.all_gather(list(wholes[c].split(3)), torch.full((3,), float(10 * c + rank)))
+                   for c in range(2)]
+        for h in handles:
+            h.wait()
+        checks[f"{name} all_gather"] = all(
+            torch.equal(wholes[c], torch.tensor([float(10 * c + r) for r in ranks]).repeat_interleave(3))
+            for c in range(2))
+    return checks
+
+
 def compressed_sim(rank: int, runs: list[tuple[str, str]], steps: int, tmp: str) -> dict:
     """``dist_sim``'s rank (known gradients, exact sums) of each ``(strategy, codec)`` of ``runs``, its collectives
     on real gloo groups: per run, this rank's optimizer state, parameters and residuals after ``steps`` steps
