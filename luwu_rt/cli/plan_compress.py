@@ -15,7 +15,7 @@ def describe_compression(model, result, *, request: str, profile, budgets, place
     ``warmup`` (``--compress-warmup``) also the step its first ``warmup`` steps run, as the engine plans it."""
     from dataclasses import replace
 
-    from luwu_rt.plan import estimate, plan_step
+    from luwu_rt.plan import estimate, plan_step, validate
     from luwu_rt.plan.analysis import wire_bytes
     from luwu_rt.plan.compression import unit_choices
 
@@ -37,6 +37,7 @@ def describe_compression(model, result, *, request: str, profile, budgets, place
     if warmup:  # the engine's warm-up plan: over the same store, the codec's shards laid out and untouched
         warm = plan_step(replace(model, uncompressed=True), budgets=budgets, placement=result.placement,
                          strategy=strategy, policy=policy)
+        validate(warm)  # never report a plan that breaks an invariant
         report["warmup"] = {"steps": warmup, "wire_bytes_per_step": wire_bytes(warm),
                             "step_s": estimate(warm, profile, steady=True).predicted_step_s}
     return report
