@@ -16,6 +16,12 @@ memory that no tensor used, measured on gpt-small (benchmarks/results/2026-12-05
   1.34 GiB in malloc at a step's peak with 0.75 GiB in use. ``share_one_arena`` (``M_ARENA_MAX`` 1) makes every
   thread allocate from one arena, the main one, whose free memory any of them reuses: 0.88-0.91 GiB held.
 
+The step's own large temporaries fragment the one heap as well: blocks of a unit's size, freed on other
+threads than the ones that took them, left a zero3 rank of gpt-small holding 300-570 MiB in malloc for 170-200 in
+use, growing from step to step. Most were gloo's: its all-gather staged the whole unit and the reduce-scatter took
+two more copies; point to point they are gone ([Note: collectives on gloo] in dist/collectives.py), and the heap
+held steady at 170-290 MiB (benchmarks/results/2026-12-07-rss.md).
+
 A fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``) would return every freed block at once, but then every
 step maps its activations anew: at 4 MiB, 350 thousand page faults and 0.6 s of system time per step of
 gpt-small, a quarter of the step; at 16 MiB, 3% of zero3's step for 2% of its peak. Both calls are glibc's;
