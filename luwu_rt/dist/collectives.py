@@ -53,7 +53,8 @@ class Group(Protocol):
         ...
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Handle:
-        """``output`` = the sum over ranks of their ``inputs[self.rank]``."""
+        """``output`` = the sum over ranks of their ``inputs[self.rank]``; ``output`` shares no bytes with
+        ``inputs`` (gloo's form receives into it while it sends them)."""
         ...
 
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
