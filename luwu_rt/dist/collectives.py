@@ -104,6 +104,11 @@ class TorchGroup:
         self._calls += 1
         return self._calls % (1 << 31)
 
+    def _p2p(self, tensor: torch.Tensor) -> bool:
+        """Whether this collective runs point to point ([Note: collectives on gloo]): gloo, on CPU tensors (a
+        world the user made gloo on GPUs keeps torch's own collectives)."""
+        return self._gloo and tensor.device.type == "cpu"
+
     def _peers(self) -> list[int]:
         return [r for r in range(self.size) if r != self.rank]
 
@@ -111,7 +116,7 @@ class TorchGroup:
         return self._dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Handle:
-        if not self._gloo:
+        if not self._p2p(output):
             return self._dist.reduce_scatter(output, list(inputs), group=self.group, async_op=True)
         if self.size == 1:
             output.copy_(inputs[0])
@@ -132,7 +137,7 @@ class TorchGroup:
         return WaitAll(work, add_up)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Handle:
-        if self._gloo:  # [Note: collectives on gloo]
+        if self._p2p(input):  # [Note: collectives on gloo]
             tag, flat = self._tag(), input.reshape(-1)
             outputs[self.rank].view(-1).copy_(flat)
             work = [self._dist.isend(flat, group=self.group, group_dst=p, tag=tag) for p in self._peers()]
