@@ -63,7 +63,7 @@ from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk, wire_bytes
-from luwu_rt.plan.search import plan_speculative, snug_arenas
+from luwu_rt.plan.search import plan_speculative, snug_arenas, step_times
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -244,11 +244,12 @@ class Engine:
         self._agree(result)
         self.placement = result.placement
         # Arenas no larger than the step needs ([Note: arenas no larger than the step needs] in plan/search.py):
-        # every plan over the store made again under each trial limit, the step's predicted time the judge.
+        # every plan over the store made again under each trial limit, judged by the steps' predicted times and
+        # the chains under them ([Note: a chain under the bound] there).
         unlimited, halves = self._plans_for(budgets, step=result.plan)
         snug, _ = snug_arenas(budgets, plans=lambda b: unlimited if b is budgets else self._plans_for(
                                   b, halves=halves is not None)[0],
-                              predict=lambda plans: estimate(plans[0], profile, steady=True).predicted_step_s)
+                              predict=lambda plans: step_times(plans, profile))
         (self.plan, self.eval_plan, *others), self.halves = self._plans_for(
             snug, step=result.plan if snug is budgets else None, halves=halves is not None, check=True)
         """``halves``: the step's plans by half of a double-buffered optimizer state (``plan_speculative``), the

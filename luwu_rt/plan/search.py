@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .analysis import live_bytes
-from .cost import StepCost, estimate
+from .cost import StepCost, estimate, steady_seconds
 from .node import NODE_TIERS, node_lower_bounds, plan_node
 from .ops import SwapPlan
 from .halves import mirror
@@ -37,7 +37,7 @@ from .sizes import flag_size, format_size, parse_size
 from .spec import ALIGN_BYTES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
 __all__ = ["DoesNotFit", "PlanResult", "Remedy", "fitting_budgets", "plan_auto", "plan_node_auto",
-           "plan_node_speculative", "plan_speculative", "snug_arenas"]
+           "plan_node_speculative", "plan_speculative", "snug_arenas", "step_times"]
 
 _FIELDS = ("params", "optimizer", "grads")
 
@@ -183,12 +183,22 @@ _SNUG_STEPS = 8
 end within 1/64 of it."""
 
 
+def step_times(plans: Sequence[SwapPlan], profile: HardwareProfile) -> tuple[float, ...]:
+    """What ``snug_arenas`` judges a run's plans by: for each plan that runs as a period of the training pipeline
+    (one with wrap dependencies: the step's, a double-buffered state's speculative and waiting halves, a
+    compression warm-up's), its predicted step in steady state and the chain of dependencies under that
+    prediction (``steady_seconds``) ([Note: a chain under the bound])."""
+    return tuple(t for p in plans if p.wrap_deps
+                 for t in (estimate(p, profile, steady=True).predicted_step_s, steady_seconds(p, profile)))
+
+
 def snug_arenas(budgets: Budgets, *, plans: Callable[[Budgets], Sequence[SwapPlan]],
-                predict: Callable[[Sequence[SwapPlan]], float]) -> tuple[Budgets, tuple[SwapPlan, ...]]:
+                predict: Callable[[Sequence[SwapPlan]], float | Sequence[float]]
+                ) -> tuple[Budgets, tuple[SwapPlan, ...]]:
     """``budgets`` with each arena limited to the smallest extent that costs no time, and the plans made with
     them ([Note: arenas no larger than the step needs]). ``plans(b)``: every plan a run makes over one store
     with budgets ``b``, its step's first (raises ``ValueError`` when they do not plan); ``predict``: their step
-    time, seconds.
+    time in seconds, or several figures (``step_times``): a limit is kept only when none of them grows.
 
     [Note: arenas no larger than the step needs]
     The planner puts each new copy in the bytes freed longest ago, never-used bytes first ([Note: reuse the
@@ -202,9 +212,25 @@ def snug_arenas(budgets: Budgets, *, plans: Callable[[Budgets], Sequence[SwapPla
     they matter, and the memory is given back where it says they do not (gpt-small's zero3 on this machine's
     calibrated profile: a device arena of about 210 MiB, the same predicted step). The limits go into the
     budgets, so that every plan over the store (evaluation, the halves of a double-buffered state) keeps to
-    them."""
+    them.
+
+    [Note: a chain under the bound]
+    A predicted step is the longest of its chain of dependencies and the bounds of the queues that share one
+    resource (the disk, the host's cores: [Note: shared cores] in cost.py). A smaller arena adds dependencies on
+    older frees, which lengthen the chain and not the bounds, so where a bound sets the prediction the judge
+    used to see no cost. gpt-small's zero3 on 2 ranks with its state on NVMe, at batch 1 x 64 on this machine's
+    calibrated profile: a host arena of 236 MiB made the waiting plan's loads of units 5-7's state wait for
+    the updates of units 1-4 (the bytes their gradients held), lengthening its chain from 0.229 s to 0.274 s
+    under a cores bound of 0.404 s; the run, whose cores did more at once than the bound allows, measured that
+    chain: its read queue stalled 285 ms behind the first such load and the step took 0.63 s. So a limit is
+    kept only when no figure of ``step_times`` grows, for every plan a training step runs: the waiting plan of
+    a double-buffered state was not judged before either, though it runs whenever a step needs clipping."""
+    def figures(made: Sequence[SwapPlan]) -> tuple[float, ...]:
+        got = predict(made)
+        return (got,) if isinstance(got, (int, float)) else tuple(got)
+
     best = tuple(plans(budgets))
-    target, peaks = predict(best), dict(best[0].peak_bytes)
+    target, peaks = figures(best), dict(best[0].peak_bytes)
     for tier in ("device", "host"):
         live = max(live_bytes(p, tier) for p in best)
         low, high = live, max(p.arena_bytes.get(tier, 0) for p in best)  # low may not plan; high does
@@ -220,7 +246,7 @@ def snug_arenas(budgets: Budgets, *, plans: Callable[[Budgets], Sequence[SwapPla
             except ValueError:
                 low = mid
                 continue
-            if dict(got[0].peak_bytes) != peaks or predict(got) > target:
+            if dict(got[0].peak_bytes) != peaks or any(g > t for g, t in zip(figures(got), target, strict=True)):
                 low = mid
                 continue
             budgets, best, high = trial, got, max(p.arena_bytes.get(tier, 0) for p in got)
