@@ -149,8 +149,20 @@ class NodeClient:
     def _send(self, msg: Message, *, flush: bool = True) -> None:
         self._out.put(encode(msg, checksum=self._curve is None))  # CURVE's MAC guards each frame
         if flush:
-            with self._lock:
-                self._wake.send(b"")
+            self._nudge()
+
+    def _nudge(self) -> None:
+        """Wakes the IO thread; never blocks. A full pipe holds a wake already, and once the thread has returned
+        (close() set the stop flag, or the loop failed) its end of the pipe is closed and a blocking send would
+        wait forever: a worker hung in close() that way after its last step, the thread having seen the flag
+        between close()'s two wakes (CI, the node run of test_planner_truth_on_a_small_model)."""
+        import zmq
+
+        with self._lock:
+            try:
+                self._wake.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def _wait(self, event: threading.Event, what: str, *, deadline: float | None = None, late: str = "",
               grace_s: float = STOP_GRACE_S) -> None:
@@ -196,8 +208,7 @@ class NodeClient:
         n = len(msg.payload)
         with self._credit_cv:
             if self._inflight and self._inflight + n > self._credit:
-                with self._lock:  # what is queued must go out for its ACKs to come back
-                    self._wake.send(b"")
+                self._nudge()  # what is queued must go out for its ACKs to come back
                 started = time.monotonic()
                 while self._inflight and self._inflight + n > self._credit:
                     self._check(what, started=started)
@@ -310,8 +321,7 @@ class NodeClient:
             if bye and self.welcome is not None:
                 self._send(Message(T.HEARTBEAT, flags=F.BYE, job=self.job, rank=self.rank, epoch=self.epoch))
             self._stop.set()
-            with self._lock:
-                self._wake.send(b"")
+            self._nudge()
             self._thread.join(10)
         with self._lock:
             self._wake.close(0)
