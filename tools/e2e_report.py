@@ -8,9 +8,11 @@ markdown report with its plots under benchmarks/results/.
 Steps (each figure with the load average beside it; the machine may be shared):
 1. ``luwu calibrate --no-cache --out <report dir>/profile.json``;
 2. ``benchmarks/bench_e2e.py``: ours beside plain PyTorch, torch DDP, FSDP2 (with and without
-   CPUOffloadPolicy) and DeepSpeed ZeRO-Offload / ZeRO-Infinity (P10);
+   CPUOffloadPolicy) and DeepSpeed ZeRO-Offload / ZeRO-Infinity (P10), at the benchmark's batch (compute
+   bound on a CPU) and again at batch 1 x 64 per rank (``SMALL``), where the runtime's own work is the step;
 3. the planner's truth (P11): ``luwu bench e2e``'s machinery on a grid of configurations (placements device,
-   host, NVMe; two model sizes; clipping on and off; local, ddp, zero1-3 and node at 2 ranks), each predicted
+   host, NVMe; two model sizes and two batches; clipping on and off; local, ddp, zero1-3 and node at 2 ranks),
+   each predicted
    on the calibrated profile with the model's own compute rate, and ``--strategy auto``'s pick beside the
    measured fastest strategy of each group;
 4. the LuWu testbed (benchmarks/profiles/luwu-testbed.json): ``luwu plan`` for gpt-175b under ``node`` and
@@ -43,6 +45,9 @@ TESTBED_FLAGS = ["--model", "gpt-175b", "--seq-len", "2048", "--dtype", "bf16", 
 """A worker of the testbed: one A100-40GB, one 3.84 TB NVMe SSD (assumed, for ZeRO-Infinity's offload);
 GPT-3's 2048-token sequences. Its host memory (256 GB in the paper) and its sequences per step (one,
 assumed) are each row's ``--host-mem`` and ``--batch-size``."""
+SMALL = {"batch_size": 1, "seq_len": 64}
+"""The small-batch regime: on 2 CPU cores a step at the benchmark's batch is the model's compute for every
+contestant alike; at this batch it is the runtime's own work (gathers, copies, IO, the optimizer)."""
 NODE_FLAGS = ["--node-host-mem", "512GiB", "--node-nvme-size", "46TB"]
 """The optimizer node: 512 GiB of host memory (assumed) and 12 x 3.84 TB NVMe SSDs."""
 
@@ -79,6 +84,10 @@ def truth_configs(quick: bool) -> list:
     out += [Config(strategy="local", placement=p, **tiny) for p in ("device", "host", "nvme")]
     out += [Config(strategy=s, nproc=2, placement="device", **tiny) for s in ("ddp", "zero1", "zero2", "zero3")]
     out += [Config(strategy="node", nproc=2, placement="host", **tiny)]
+    small_batch = {**small, **SMALL}
+    out += [Config(strategy=s, nproc=1 if s == "local" else 2, placement="device", **small_batch)
+            for s in ("local", "ddp", "zero3")]
+    out += [Config(strategy="zero3", nproc=2, placement=p, **small_batch) for p in ("host", "nvme")]
     return out
 
 
@@ -162,19 +171,9 @@ def measure(args, outdir: Path) -> dict:
         cal += ["--nvme-dir", args.nvme_dir]
     figures["calibrate_command"] = "luwu " + " ".join(cal[:-1])
     figures["profile"] = json.loads(_luwu(*cal).stdout)
-    _say("ours beside the peers")
-    peers_json = outdir / "peers.json"
-    bench = [sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--profile", profile, "--rounds",
-             str(args.rounds), "--json-out", str(peers_json), "--out", str(outdir / "peers.md")]
-    if args.quick:
-        bench += ["--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--device-mem",
-                  "256MiB", "--host-mem", "256MiB", "--peers", "plain", "torch-ddp"]
-    if args.nvme_dir:
-        bench += ["--nvme-dir", args.nvme_dir]
-    subprocess.run(bench, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    figures["peers_command"] = "python " + " ".join(os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a
-                                                    for a in bench[1:])
-    figures["peers"] = json.loads(peers_json.read_text())
+    for key, batch in (("peers", {}), ("peers_small", SMALL)):
+        _say(f"ours beside the peers{' at batch %(batch_size)d x %(seq_len)d' % batch if batch else ''}")
+        figures[f"{key}_command"], figures[key] = _peers(args, outdir, key, profile, batch)
     _say("the planner's truth")
     nvme = args.nvme_dir or tempfile.mkdtemp(prefix="luwu-e2e-report-")
     configs = truth_configs(args.quick)
@@ -192,6 +191,23 @@ def measure(args, outdir: Path) -> dict:
     return _repo_relative(figures)
 
 
+def _peers(args, outdir: Path, key: str, profile: str, batch: dict) -> tuple[str, dict]:
+    """``benchmarks/bench_e2e.py`` at ``batch`` (its own default when empty): the command run, and its figures."""
+    out = outdir / f"{key}.json"
+    bench = [sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--profile", profile, "--rounds",
+             str(args.rounds), "--json-out", str(out), "--out", str(outdir / f"{key}.md")]
+    if args.quick:
+        bench += ["--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--device-mem",
+                  "256MiB", "--host-mem", "256MiB", "--peers", "plain", "torch-ddp"]
+    for flag, value in batch.items():
+        bench += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.nvme_dir:
+        bench += ["--nvme-dir", args.nvme_dir]
+    subprocess.run(bench, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = "python " + " ".join(os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a for a in bench[1:])
+    return command, json.loads(out.read_text())
+
+
 def _repo_relative(figures: dict) -> dict:
     """The figures with this checkout's and the temporary directory's paths left out: the report is
     committed, and names no path of the machine that made it (trace files are read back from the repo root)."""
@@ -200,6 +216,13 @@ def _repo_relative(figures: dict) -> dict:
 
 def _unpathed(text: str) -> str:
     return text.replace(str(ROOT) + os.sep, "").replace(tempfile.gettempdir() + os.sep, "$TMPDIR/")
+
+
+def _repathed(path: str) -> str:
+    """A path ``_unpathed`` wrote, on this machine again (a report written outside the repo, as ``--quick``'s test
+    runs, has its traces under the temp directory)."""
+    tmp = "$TMPDIR/"
+    return os.path.join(tempfile.gettempdir(), path[len(tmp):]) if path.startswith(tmp) else str(ROOT / path)
 
 
 def _unpath_files(outdir: Path) -> None:
@@ -316,7 +339,7 @@ def render(figures: dict, outdir: Path, md: Path) -> None:
     traced = next((r for r in truth if r.get("trace") and r["config"]["strategy"] == "zero3"), None) \
         or next((r for r in truth if r.get("trace")), None)
     if traced:
-        plot_timeline(str(ROOT / traced["trace"]), outdir / "timeline.png",
+        plot_timeline(_repathed(traced["trace"]), outdir / "timeline.png",
                       title=f"one step of {traced['label']}, per queue")
     m = figures["machine"]
     p = figures["profile"]
@@ -351,7 +374,12 @@ def render(figures: dict, outdir: Path, md: Path) -> None:
                   f"{', '.join(f'{k} {v:.3f} s' for k, v in p['_measured']['overlap']['alone_s'].items())}, "
                   f"together {p['_measured']['overlap']['together_s']:.3f} s: cpu_overlap "
                   f"{p['cpu_overlap']:.2f}.", ""]
-    lines += _peers_section(figures, rel)
+    lines += _peers_section(figures, rel, "peers", "## 2. Ours beside the peers (P10)")
+    if "peers_small" in figures:  # reports before 2026-12-07 ran the benchmark's batch only
+        lines += _peers_section(figures, rel, "peers_small", "### 2b. The same at batch "
+                                f"{figures['peers_small']['args']['batch_size']} x "
+                                f"{figures['peers_small']['args']['seq_len']} per rank, where the runtime's own "
+                                "work is the step")
     lines += ["## 3. The planner against measurement (P11)", "",
               f"Load average {figures['truth']['load_average'][0]} before, {figures['truth']['load_average'][1]} "
               f"after. Each configuration predicted by `luwu plan` on the calibrated profile with the model's own "
@@ -387,10 +415,10 @@ def _result(d: dict):
     return Result(config=Config(**{**c, "extra": tuple(c["extra"])}), **fields)
 
 
-def _peers_section(figures: dict, rel: str) -> list[str]:
-    peers = figures["peers"]
+def _peers_section(figures: dict, rel: str, key: str, heading: str) -> list[str]:
+    peers = figures[key]
     a = peers["args"]
-    lines = ["## 2. Ours beside the peers (P10)", "", f"`{figures['peers_command']}`, load average "
+    lines = [heading, "", f"`{figures[f'{key}_command']}`, load average "
              f"{peers['load_average_before']} before, {peers['load_average_after']} after.", "",
              "| contestant | ranks | tokens/s | step s per round | median step s | peak RSS MB | last loss |",
              "|---|---|---|---|---|---|---|"]
@@ -416,7 +444,9 @@ def _peers_section(figures: dict, rel: str) -> list[str]:
                                          " NOT met")
         lines.append(f"| {ours} | {peer} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
                      f"{mem:.2f}x | {f'<= {target}x:{verdict}' if target else ''} |")
-    lines += ["", f"![tokens/s per contestant]({rel}/tokens.png)", ""]
+    if key == "peers":
+        lines += ["", f"![tokens/s per contestant]({rel}/tokens.png)"]
+    lines.append("")
     predicted = peers.get("predicted") or []
     if predicted:
         from luwu_rt.cli.bench_e2e import table
