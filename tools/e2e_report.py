@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +87,7 @@ def truth_configs(quick: bool) -> list:
     out += [Config(strategy="node", nproc=2, placement="host", **tiny)]
     small_batch = {**small, **SMALL}
     out += [Config(strategy=s, nproc=1 if s == "local" else 2, placement="device", **small_batch)
-            for s in ("local", "ddp", "zero3")]
+            for s in ("local", "ddp", "zero1", "zero2", "zero3")]  # all four: a group for auto's check
     out += [Config(strategy="zero3", nproc=2, placement=p, **small_batch) for p in ("host", "nvme")]
     return out
 
@@ -160,7 +161,10 @@ def testbed() -> dict:
 def measure(args, outdir: Path) -> dict:
     from luwu_rt.cli.bench_e2e import measure as measure_configs
 
-    figures: dict = {"date": args.date, "machine": _machine(), "load_average_start": _load()}
+    start = time.monotonic()
+    figures: dict = {"date": args.date, "machine": _machine(), "load_average_start": _load(),
+                     "command": "python tools/e2e_report.py" + (" --quick" if args.quick else "")
+                     + f" --rounds {args.rounds}" + (" --nvme-dir DIR" if args.nvme_dir else "")}
     profile = str(outdir / "profile.json")
     _say("calibrating")
     cal = ["calibrate", "--no-cache", "--out", profile, "--json"]
@@ -187,6 +191,7 @@ def measure(args, outdir: Path) -> dict:
     _say("the LuWu testbed on paper")
     figures["testbed"] = testbed()
     figures["load_average_end"] = _load()
+    figures["minutes"] = round((time.monotonic() - start) / 60)
     _unpath_files(outdir)
     return _repo_relative(figures)
 
@@ -351,8 +356,8 @@ def render(figures: dict, outdir: Path, md: Path) -> None:
              f"{figures['load_average_start']}, at the end {figures['load_average_end']}: the machine was "
              f"{'shared' if figures['load_average_start'][0] > 1.5 else 'quiet'}; every figure below is a ratio "
              f"or a median of interleaved rounds, with the load beside it.", "",
-             "Regenerate everything (about an hour on 2 cores): `python tools/e2e_report.py`; the report alone from "
-             "the saved figures: "
+             f"Regenerate everything: `{figures.get('command', 'python tools/e2e_report.py')}` "
+             f"({figures.get('minutes', 'about 60')} minutes here); the report alone from the saved figures: "
              f"`python tools/e2e_report.py --render {os.path.relpath(outdir / 'figures.json', ROOT)}`.",
              "", "## 1. The calibrated profile", "",
              f"`{figures['calibrate_command']}` ({p['_measured']['seconds']:.0f} s, load average "
