@@ -98,9 +98,11 @@ class Config:
 
     @property
     def label(self) -> str:
+        """What runs, batch included: a report may measure one configuration at two batches, and its trace file is
+        named by the label."""
         ranks = f" x{self.nproc}" if self.nproc > 1 else ""
         clip = "clip" if self.grad_clip else "no-clip"
-        return f"{self.model} {self.strategy}{ranks} {self.placement} {clip}"
+        return f"{self.model} {self.strategy}{ranks} {self.placement} {clip} {self.batch_size}x{self.seq_len}"
 
     def flags(self, *, nvme_dir: str) -> list[str]:
         """The flags ``luwu train`` and ``luwu plan`` share for this configuration."""

@@ -64,8 +64,9 @@ def test_the_breakdown_counts_the_previous_tail_from_the_steps_start():
 
 
 def test_a_configuration_names_what_it_runs():
-    c = Config(model="gpt-tiny", strategy="zero3", nproc=2, placement="nvme", grad_clip=0.0)
-    assert c.label == "gpt-tiny zero3 x2 nvme no-clip"
+    c = Config(model="gpt-tiny", strategy="zero3", nproc=2, placement="nvme", grad_clip=0.0, batch_size=2, seq_len=32)
+    assert c.label == "gpt-tiny zero3 x2 nvme no-clip 2x32"
+    assert Config(batch_size=1).label != Config(batch_size=2).label, "one configuration at two batches: two traces"
     flags = c.flags(nvme_dir="D")
     assert flags[flags.index("--offload-optimizer") + 1] == "nvme" and flags[flags.index("--grad-clip") + 1] == "0.0"
     with pytest.raises(ValueError, match="placement 'disk'"):
@@ -81,7 +82,7 @@ def test_bench_e2e_runs_and_reports_json(tmp_path, capsys, monkeypatch):
                  "--host-mem", "64MiB", "--nvme-dir", str(tmp_path / "nvme"), "--trace-dir", str(tmp_path / "t"),
                  "--profile", "builtin", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [r["label"] for r in report["results"]] == ["gpt-tiny local host clip", "gpt-tiny zero3 x2 host clip"]
+    assert [r["label"] for r in report["results"]] == ["gpt-tiny local host clip 1x16", "gpt-tiny zero3 x2 host clip 1x16"]
     for r in report["results"]:
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["predicted_step_s"] > 0
         assert r["error"] == pytest.approx(r["predicted_step_s"] / r["step_s"] - 1)  # one round
