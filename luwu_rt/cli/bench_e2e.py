@@ -416,8 +416,10 @@ def result_of(config: Config, runs: list[dict], planned: list[dict], *, keep_tra
 
     per_round = [statistics.median(line["step_s"] for line in run["lines"][1:]) for run in runs]
     step_s = statistics.median(per_round)
-    predicted = [p["predicted_step_s"] for p in planned]
-    errors = [p / m - 1 for p, m in zip(predicted * len(per_round) if len(predicted) == 1 else predicted, per_round)]
+    planned_by_round = planned * len(runs) if len(planned) == 1 else planned
+    predicted = [statistics.median(_predicted(p, line) for line in run["lines"][1:])
+                 for p, run in zip(planned_by_round, runs)]
+    errors = [p / m - 1 for p, m in zip(predicted, per_round)]
     planned = planned[-1]
     last = runs[-1]
     rows = last["events"]
@@ -434,6 +436,13 @@ def result_of(config: Config, runs: list[dict], planned: list[dict], *, keep_tra
                   error=statistics.median(errors), bottleneck=planned["bottleneck"],
                   placement=planned["placement"], profile=planned["profile"]["described"],
                   trace=last["trace"] if keep_trace else None)
+
+
+def _predicted(planned: dict, line: dict) -> float:
+    """The prediction for one measured step: that of the plans it ran. A double-buffered optimizer state's step
+    speculates, waits or is redone by its norms ([Note: when to speculate] in exec/speculate.py); early in a run
+    clipping persists, and its steps wait."""
+    return planned.get("predicted_by_updates", {}).get(line.get("updates"), planned["predicted_step_s"])
 
 
 def _mb(n: float) -> str:

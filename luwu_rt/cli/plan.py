@@ -278,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
     # A step in steady state, beside the previous one's tail, as luwu train runs them ([Note: steady state]).
     cost = estimate(result.plan, profile, node=node_plan, steady=node_plan is None)
     report = {**head, "fits": True, **_describe(result, cost), "updates": _updates(model, halves)}
+    if halves is not None:
+        report["predicted_by_updates"] = _by_updates(halves, profile, committed=cost.predicted_step_s)
     if config.compress != "none":  # each unit's codec, and what it saves ([Note: selective compression])
         from luwu_rt.cli.plan_compress import describe_compression
 
@@ -377,6 +379,19 @@ def _updates(model, halves) -> str:
     return "as gradients are final"
 
 
+def _by_updates(halves, profile, *, committed: float) -> dict[str, float]:
+    """The predicted step by how it ends ([Note: when to speculate] in exec/speculate.py), as ``luwu train
+    --json-log`` names it: ``commit`` is the plan's step; ``wait`` its waiting plan in steady state; a ``skip``
+    runs the speculative plan and the restore, and a ``redo`` the waiting plan after both (the extra runs
+    priced one after the other, without a pipeline)."""
+    from luwu_rt.plan import estimate
+
+    wait = estimate(halves["wait"][0], profile, steady=True).predicted_step_s
+    restore = estimate(halves["restore"][0], profile).predicted_step_s
+    cold_wait = estimate(halves["wait"][0], profile).predicted_step_s
+    return {"commit": committed, "wait": wait, "skip": committed + restore, "redo": committed + restore + cold_wait}
+
+
 def _placement(p) -> dict:
     return {"params": p.params, "optimizer": p.optimizer, "grads": p.grads}
 
@@ -463,6 +478,8 @@ def _text(head: dict, r: dict) -> str:
     lines.append(f"predicted step time {r['predicted_step_s']:.3g} s, bottleneck {r['bottleneck']} "
                  f"(busy: {_busy(r['busy_s'])})")
     lines.append(f"updates: {r['updates']}")
+    if by := r.get("predicted_by_updates"):  # clipping persists from step to step: such steps wait
+        lines.append(f"  a step that waits for the norm {by['wait']:.3g} s; one redone {by['redo']:.3g} s")
     lines.append(f"{r['num_ops']} ops, eviction {r['policy']}; device reserve for activations "
                  f"{format_size(head['activation_bytes'])} (in the device peak)")
     lines.append(_kept_text(head["kept_graphs"]))

@@ -407,9 +407,11 @@ def _run(args: argparse.Namespace, world_size: int) -> int:
 
 
 _LOGGED = ("step", "loss", "tokens_per_s", "step_s", "lr", "grad_norm", "skipped", "compute_s", "wait_s",
-           "optim_s", "io_s", "wire_bytes", "encode_s", "decode_s")
+           "optim_s", "io_s", "wire_bytes", "encode_s", "decode_s", "updates")
 """Fields of a step's line in ``--json-log``; an evaluation adds a line ``{"step", "val_loss"}``. ``wire_bytes``:
-what the rank sends per step by its collectives; ``encode_s``/``decode_s``: its time in gradient codecs."""
+what the rank sends per step by its collectives; ``encode_s``/``decode_s``: its time in gradient codecs;
+``updates``: how a step of a double-buffered optimizer state ended (``commit``, ``redo``, ``skip`` or ``wait``:
+[Note: when to speculate] in exec/speculate.py), else ``as planned``."""
 
 
 def _stopping(engine, stop) -> bool:

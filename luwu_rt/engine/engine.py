@@ -480,6 +480,8 @@ class Engine:
             "wire_bytes": self.warm_wire_bytes if warm else self.wire_bytes,
             "encode_s": busy.get("encode", 0.0), "decode_s": busy.get("decode", 0.0),
             "wait_s": max(step_s - busy.get("compute", 0.0), 0.0),  # compute queue idle: waiting on IO or the optimizer
+            # Which plans ran ([Note: when to speculate]): a step that waited or was redone is not the speculative step.
+            "updates": self.speculation.last if self.speculation is not None else "as planned",
         }
 
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, *,

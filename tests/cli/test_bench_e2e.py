@@ -3,6 +3,7 @@ time went, bytes and memory per tier; and the planner's truth on a small model (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from luwu_rt.cli.bench_e2e import Config, breakdown, peak_rss
+from luwu_rt.cli.bench_e2e import Config, breakdown, peak_rss, predict, result_of, run_config
 from luwu_rt.cli.main import main
 
 
@@ -75,6 +76,30 @@ def test_a_configuration_names_what_it_runs():
         Config(strategy="local", nproc=2)
 
 
+def test_each_measured_step_is_predicted_by_the_plans_it_ran(tmp_path, monkeypatch):
+    """A double-buffered optimizer state's step speculates, waits or is redone by its norms ([Note: when to
+    speculate]); early in a run clipping persists and its steps wait. The prediction beside a measured step is
+    that of the plans the step ran, as its --json-log line names them, not always the speculative step's."""
+    monkeypatch.setenv("LUWU_CACHE_DIR", str(tmp_path / "cache"))
+    nvme, profile = str(tmp_path / "nvme"), tmp_path / "profile.json"
+    # A slow optimizer beside the compute: an update that waits for the norm no longer hides behind the backward.
+    profile.write_text(json.dumps({"host_optim_params_per_s": 2e7, "compute_flops": 2e10, "cpu_overlap": 1.0}))
+    c = Config(model="gpt-tiny", placement="nvme", grad_clip=0.01, batch_size=1, seq_len=16, steps=4,
+               device_mem="64MiB", host_mem="64MiB")  # a tiny threshold: every step clips
+    planned = predict(c, profile=str(profile), nvme_dir=nvme)
+    by = planned["predicted_by_updates"]
+    assert by["commit"] == planned["predicted_step_s"] < by["skip"] < by["redo"] and by["wait"] > 0
+    run = run_config(c, workdir=str(tmp_path / "run"), profile=str(profile), nvme_dir=nvme)
+    ended = [line["updates"] for line in run["lines"]]
+    assert ended[0] == "redo" and set(ended[1:]) == {"wait"}, ended  # adaptive: a clipped step's successors wait
+    r = result_of(c, [run], [planned])
+    assert r.predicted_step_s == by["wait"] > planned["predicted_step_s"]
+    assert r.error == pytest.approx(by["wait"] / r.step_s - 1)
+    plain = run_config(dataclasses.replace(c, placement="host"), workdir=str(tmp_path / "host"),
+                       profile=str(profile), nvme_dir=nvme)
+    assert {line["updates"] for line in plain["lines"]} == {"as planned"}
+
+
 def test_bench_e2e_runs_and_reports_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LUWU_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["bench", "e2e", "--model", "gpt-tiny", "--batch-size", "1", "--seq-len", "16", "--strategies",
@@ -82,7 +107,8 @@ def test_bench_e2e_runs_and_reports_json(tmp_path, capsys, monkeypatch):
                  "--host-mem", "64MiB", "--nvme-dir", str(tmp_path / "nvme"), "--trace-dir", str(tmp_path / "t"),
                  "--profile", "builtin", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [r["label"] for r in report["results"]] == ["gpt-tiny local host clip 1x16", "gpt-tiny zero3 x2 host clip 1x16"]
+    labels = [r["label"] for r in report["results"]]
+    assert labels == ["gpt-tiny local host clip 1x16", "gpt-tiny zero3 x2 host clip 1x16"]
     for r in report["results"]:
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["predicted_step_s"] > 0
         assert r["error"] == pytest.approx(r["predicted_step_s"] / r["step_s"] - 1)  # one round
