@@ -107,7 +107,7 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                      r"\| fsdp2 \| (2 \| [\d,]+|\| unavailable: )",
                                      r"\| ds-zero-offload \| (2 \| [\d,]+|\| unavailable: )",
                                      r"\| ours zero3 host \| ds-zero-offload \| (\d+\.\d+x|n/a: )",
-                                     r"\| gpt-tiny zero3 x2 nvme clip \| [\d,]+ \| .* \| [+-]\d+\.\d% \|"])],
+                                     r"\| gpt-tiny zero3 x2 nvme clip 1x16 \| [\d,]+ \| .* \| [+-]\d+\.\d% \|"])],
         "bench_rss.py": [Run(args=["--model", "gpt-tiny", "--batch-size", "1", "--seq-len", "16", "--steps", "2",
                                    "--strategy", "zero3", "--nproc", "2", "--placement", "host", "--profile", "builtin",
                                    "--device-mem", "64MiB", "--host-mem", "64MiB", "--out", f"{tmp}/rss.md"],
