@@ -12,9 +12,8 @@ Steps (each figure with the load average beside it; the machine may be shared):
    bound on a CPU) and again at batch 1 x 64 per rank (``SMALL``), where the runtime's own work is the step;
 3. the planner's truth (P11): ``luwu bench e2e``'s machinery on a grid of configurations (placements device,
    host, NVMe; two model sizes and two batches; clipping on and off; local, ddp, zero1-3 and node at 2 ranks),
-   each predicted
-   on the calibrated profile with the model's own compute rate, and ``--strategy auto``'s pick beside the
-   measured fastest strategy of each group;
+   each predicted on the calibrated profile with the model's own compute rate, and ``--strategy auto``'s pick
+   beside the measured fastest strategy of each group;
 4. the LuWu testbed (benchmarks/profiles/luwu-testbed.json): ``luwu plan`` for gpt-175b under ``node`` and
    ``zero3`` on 8 workers, and the simulated scale-out to 64 and 256 workers, with the node shards ``node``
    needs to keep up;
@@ -176,7 +175,7 @@ def measure(args, outdir: Path) -> dict:
     figures["calibrate_command"] = "luwu " + " ".join(cal[:-1])
     figures["profile"] = json.loads(_luwu(*cal).stdout)
     for key, batch in (("peers", {}), ("peers_small", SMALL)):
-        _say(f"ours beside the peers{' at batch %(batch_size)d x %(seq_len)d' % batch if batch else ''}")
+        _say("ours beside the peers" + (f" at batch {batch['batch_size']} x {batch['seq_len']}" if batch else ""))
         figures[f"{key}_command"], figures[key] = _peers(args, outdir, key, profile, batch)
     _say("the planner's truth")
     nvme = args.nvme_dir or tempfile.mkdtemp(prefix="luwu-e2e-report-")
@@ -219,15 +218,18 @@ def _repo_relative(figures: dict) -> dict:
     return json.loads(_unpathed(json.dumps(figures)))
 
 
+_TMP = "$TMPDIR/"
+"""What ``_unpathed`` writes for the temporary directory, and ``_repathed`` reads back."""
+
+
 def _unpathed(text: str) -> str:
-    return text.replace(str(ROOT) + os.sep, "").replace(tempfile.gettempdir() + os.sep, "$TMPDIR/")
+    return text.replace(str(ROOT) + os.sep, "").replace(tempfile.gettempdir() + os.sep, _TMP)
 
 
 def _repathed(path: str) -> str:
     """A path ``_unpathed`` wrote, on this machine again (a report written outside the repo, as ``--quick``'s test
     runs, has its traces under the temp directory)."""
-    tmp = "$TMPDIR/"
-    return os.path.join(tempfile.gettempdir(), path[len(tmp):]) if path.startswith(tmp) else str(ROOT / path)
+    return os.path.join(tempfile.gettempdir(), path[len(_TMP):]) if path.startswith(_TMP) else str(ROOT / path)
 
 
 def _unpath_files(outdir: Path) -> None:
