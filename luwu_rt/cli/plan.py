@@ -384,8 +384,10 @@ def _by_updates(halves, profile, *, committed: float) -> dict[str, float]:
     --json-log`` names it: ``commit`` is the plan's step; ``wait`` its waiting plan in steady state; a ``skip``
     runs the speculative plan and the restore, and a ``redo`` the waiting plan after both (the extra runs
     priced one after the other, without a pipeline)."""
-    from luwu_rt.plan import estimate
+    from luwu_rt.plan import estimate, validate
 
+    for name in ("wait", "restore"):  # priced here, so checked here: every plan through the validator
+        validate(halves[name][0])
     wait = estimate(halves["wait"][0], profile, steady=True).predicted_step_s
     restore = estimate(halves["restore"][0], profile).predicted_step_s
     cold_wait = estimate(halves["wait"][0], profile).predicted_step_s
