@@ -17,8 +17,13 @@ them. For the compute, how much a rank loses depends on the model: on 2 cores, r
 in 1.91x the time of one process on both cores but gpt-tiny in 1.46x (its kernels use two cores poorly). So
 where the compute rate of a model is measured for ranks (``luwu bench e2e``), the ranks measure it side by
 side and the profile's rate is theirs times the ranks ([Note: the compute rate of ranks side by side] in
-cli/probes.py), which this division gives back. A profile without ``_machine`` (written by hand, e.g. a
-paper's testbed) gives per-rank figures already and is used as it is.
+cli/probes.py), which this division gives back. The disk is shared too, on any device: the ranks' NVMe
+tiers are directories of one ``--nvme-dir``, so on one filesystem, and each rank gets ``1 / local ranks`` of the
+read and write bandwidth ``luwu calibrate`` measured with the disk to itself. Without that division the model
+priced two ranks' optimizer-state loads at twice the speed they had: gpt-small zero3 x2 with its state on NVMe
+at batch 1 x 64 read its 0.3 GB a step at 0.93 GB/s per rank (busy time) where a rank's plan assumed the
+calibrated 3.19 GB/s, and its step was predicted 20-34% short. A profile without ``_machine`` (written by
+hand, e.g. a paper's testbed) gives per-rank figures already and is used as it is.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ _HOST_KEYS = ("host_optim_params_per_s", "host_mem_gbps")
 """Rates of the host's cores that ranks on one machine share ([Note: a rank's share of the machine])."""
 _CPU_DEVICE_KEYS = ("compute_flops", "device_optim_params_per_s", "device_mem_gbps", "h2d_gbps", "d2h_gbps")
 """Rates of the "device" that ranks share too when the device is the CPU."""
+_DISK_KEYS = ("nvme_read_gbps", "nvme_write_gbps")
+"""The disk of the NVMe tier, which ranks on one machine share on any device (the optimizer node's is its own)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,5 +147,5 @@ def per_rank(choice: ProfileChoice, *, local_ranks: int) -> HardwareProfile:
     if local_ranks <= 1 or not isinstance(machine, dict):
         return choice.profile
     p = choice.profile
-    keys = _HOST_KEYS + (_CPU_DEVICE_KEYS if machine.get("device") == "cpu" else ())
+    keys = _HOST_KEYS + _DISK_KEYS + (_CPU_DEVICE_KEYS if machine.get("device") == "cpu" else ())
     return dataclasses.replace(p, **{k: getattr(p, k) / local_ranks for k in keys})

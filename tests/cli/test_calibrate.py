@@ -122,11 +122,16 @@ def test_cache_is_keyed_by_the_machine(cache):
 
 
 def test_a_rank_gets_its_share_of_a_calibrated_machine():
-    base = HardwareProfile(compute_flops=8e10, host_optim_params_per_s=4e8, h2d_gbps=2.0, net_gbps=1.0)
+    base = HardwareProfile(compute_flops=8e10, host_optim_params_per_s=4e8, h2d_gbps=2.0, net_gbps=1.0,
+                           nvme_read_gbps=3.0, nvme_write_gbps=4.0, node_nvme_read_gbps=3.0)
     machine = {"_machine": {"device": "cpu"}}
     one = per_rank(ProfileChoice(profile=base, source="file", notes=machine), local_ranks=2)
     assert one.compute_flops == 4e10 and one.host_optim_params_per_s == 2e8 and one.h2d_gbps == 1.0
     assert one.net_gbps == 1.0, "the network is each rank's own"
+    assert (one.nvme_read_gbps, one.nvme_write_gbps) == (1.5, 2.0), "the ranks' NVMe tiers share one disk"
+    assert one.node_nvme_read_gbps == 3.0, "the optimizer node's disk is its own"
+    gpu = per_rank(ProfileChoice(profile=base, source="file", notes={"_machine": {"device": "cuda"}}), local_ranks=2)
+    assert gpu.compute_flops == 8e10 and gpu.nvme_read_gbps == 1.5, "each GPU computes alone, but shares the disk"
     # A hand-written profile (no _machine) gives per-rank figures already.
     assert per_rank(ProfileChoice(profile=base, source="file"), local_ranks=8) == base
 
