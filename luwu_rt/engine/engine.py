@@ -52,6 +52,7 @@ from luwu_rt.engine.compute import StepRng, UnitCompute, UnitwiseConfig
 from luwu_rt.engine.config import TrainConfig, resumed_settings
 from luwu_rt.engine.hwprofile import choose_profile, per_rank
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
+from luwu_rt.io import rank_queue_depth
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_checkpoint, verify_checkpoint
 from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest, warmup_steps
 from luwu_rt.engine.kept import plan_kept
@@ -264,7 +265,8 @@ class Engine:
         self.warm_wire_bytes = wire_bytes(self.warm_plan) if self.warm_plan is not None else self.wire_bytes
         self.store = TieredStore.create(self.plan, device=self.device, nvme_root=nvme_root,
                                         io_backend=self.config.io_backend, also=(self.eval_plan, *others),
-                                        scratch=not off.keep_nvme_state)
+                                        scratch=not off.keep_nvme_state,
+                                        queue_depth=rank_queue_depth(world.local_size))
         if self.store.nvme is None:
             self._made_dirs()  # the plan keeps nothing on NVMe: no directory of ours in the way while it runs
 

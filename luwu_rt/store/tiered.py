@@ -81,11 +81,13 @@ class TieredStore:
 
     @classmethod
     def create(cls, plan: SwapPlan, *, device: torch.device, nvme_root: str | Path | None = None,
-               io_backend: str = "auto", also: Sequence[SwapPlan] = (), scratch: bool = False) -> "TieredStore":
+               io_backend: str = "auto", also: Sequence[SwapPlan] = (), scratch: bool = False,
+               queue_depth: int | None = None) -> "TieredStore":
         """Allocates the arenas and, when the plan touches NVMe, a fresh NVMe tier under ``nvme_root``.
         ``also``: other plans that will run over this store (evaluation); the arenas fit every plan.
         ``scratch``: ``close`` removes ``nvme_root`` (before it drops the lock, so that no other run is
-        using the directory while it goes).
+        using the directory while it goes). ``queue_depth``: the IO engine's pieces in flight per direction
+        (default ``QUEUE_DEPTH``; ranks sharing a disk pass ``rank_queue_depth``).
 
         The NVMe tier is scratch space: the checkpoint, not these files, survives a crash. It is
         rebuilt from scratch so that a previous run's layout never blocks this one."""
@@ -96,7 +98,7 @@ class TieredStore:
             return cls(plan, arenas=arenas, nvme=None)
         if nvme_root is None:
             raise ValueError("the plan keeps state on NVMe but no NVMe directory was given; pass --nvme-dir")
-        from luwu_rt.io import IOEngine
+        from luwu_rt.io import QUEUE_DEPTH, IOEngine
 
         from luwu_rt.fs import lock_dir
 
@@ -104,7 +106,7 @@ class TieredStore:
         # Before the tier is wiped: another run's live state must not go ([Note: directory locks]).
         lock = lock_dir(root.parent, flag="--nvme-dir")
         try:
-            io = IOEngine(backend=io_backend)
+            io = IOEngine(backend=io_backend, queue_depth=queue_depth or QUEUE_DEPTH)
             if root.exists():
                 shutil.rmtree(root)
             nvme = NvmeTier(root, regions=regions, chunk_bytes=plan.chunk_bytes, engine=io)

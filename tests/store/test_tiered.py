@@ -64,3 +64,20 @@ def test_arenas_are_as_large_as_the_plans_reach_not_the_budget() -> None:
         store.check_plan(large)
     finally:
         store.close()
+
+
+def test_ranks_sharing_a_disk_share_its_queue(tmp_path) -> None:
+    """[Note: ranks share the disk's queue] (io/engine.py): each of N ranks on one machine keeps 1/N of the
+    pieces one process would keep in flight, and the store's engine runs at the depth it is given."""
+    from luwu_rt.io import QUEUE_DEPTH, rank_queue_depth
+
+    assert rank_queue_depth(1) == QUEUE_DEPTH and rank_queue_depth(2) == QUEUE_DEPTH // 2
+    assert rank_queue_depth(QUEUE_DEPTH * 4) == 1, "never below one piece"
+    plan = _plan("nvme", "nvme")
+    for depth, expect in ((None, QUEUE_DEPTH), (rank_queue_depth(2), QUEUE_DEPTH // 2)):
+        store = TieredStore.create(plan, device=torch.device("cpu"), nvme_root=tmp_path / f"d{depth}",
+                                   queue_depth=depth)
+        try:
+            assert store.nvme.engine.queue_depth == expect
+        finally:
+            store.close()
