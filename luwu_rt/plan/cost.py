@@ -51,7 +51,8 @@ from .spec import TIERS, HardwareProfile
 from .steady import periods
 
 __all__ = ["Disturbance", "SHARED_CORE_QUEUES", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds",
-           "couple", "estimate", "op_seconds", "op_times", "steady_seconds", "step_cost", "step_seconds", "timelines"]
+           "couple", "estimate", "op_seconds", "op_times", "return_seconds", "steady_seconds", "step_cost",
+           "step_seconds", "timelines"]
 
 _GB = 1e9
 _LINK = {"nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps", "h2d": "h2d_gbps", "d2h": "d2h_gbps"}
@@ -543,6 +544,13 @@ def steady_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
     n = len(plan.ops)
     ends = [max((run.done[k * n + i] for i in range(n) if i not in plan.tail), default=0.0) for k in range(3)]
     return ends[2] - ends[1]
+
+
+def return_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
+    """When a period of ``plan`` started cold returns: the last completion of an op outside its tail (the
+    updates, not their write-backs), with no bound of a shared resource under it."""
+    run, = timelines([plan], profile)
+    return max((t for i, t in enumerate(run.done) if i not in plan.tail), default=0.0)
 
 
 def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:
