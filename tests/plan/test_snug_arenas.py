@@ -85,29 +85,32 @@ TWO_CORES = HardwareProfile(nvme_read_gbps=3.1, nvme_write_gbps=3.9, h2d_gbps=20
                             nvme_core_s_per_gb=0.068, shard_collective_factor=1.2)
 
 
+def _double_buffered_plans(budgets):
+    """Every plan of zero3 gpt-small at batch 1 x 64 with its state on NVMe, double-buffered: the speculative and
+    waiting plans and the restore, each with its mirror."""
+    model = replace(gpt_model_spec(get_preset("gpt-small"), batch_size=1, seq_len=64, chunk_bytes=4 << 20),
+                    param_bytes=4, grad_bytes=4, optimizer_waits_for_backward=True)
+    nvme = Placement(params="nvme", optimizer="nvme", grads="host")
+    halves = plan_speculative(model, budgets=budgets, placement=nvme, strategy=ZERO3)
+    return tuple(plan for pair in halves.values() for plan in pair)
+
+
 def test_snug_arenas_keep_the_chain_a_bound_hides() -> None:
     """[Note: a chain under the bound]: zero3 of gpt-small at batch 1 x 64 with its state on NVMe, double-buffered
     (speculative and waiting plans, each with its mirror). Judged by the step plan's prediction alone, a smaller
     host arena makes the waiting plan's state loads wait for earlier updates: its chain grows while the cores'
     bound keeps every prediction the same. Judged by ``step_times`` nothing grows, and the arenas still shrink."""
-    model = replace(gpt_model_spec(get_preset("gpt-small"), batch_size=1, seq_len=64, chunk_bytes=4 << 20),
-                    param_bytes=4, grad_bytes=4, optimizer_waits_for_backward=True)
-    nvme = Placement(params="nvme", optimizer="nvme", grads="host")
     roomy = replace(ROOMY, nvme_bytes=64 << 30)
 
-    def plans(budgets):
-        halves = plan_speculative(model, budgets=budgets, placement=nvme, strategy=ZERO3)
-        return tuple(plan for pair in halves.values() for plan in pair)
-
-    free = plans(roomy)
+    free = _double_buffered_plans(roomy)
     figures = step_times(free, TWO_CORES)
     assert len(figures) == 12  # speculate and wait, each half: predicted step and two chains; restore runs alone
-    _, narrow = snug_arenas(roomy, plans=plans,
+    _, narrow = snug_arenas(roomy, plans=_double_buffered_plans,
                             predict=lambda made: estimate(made[0], TWO_CORES, steady=True).predicted_step_s)
     before = step_times(narrow, TWO_CORES)
     assert before[0::3] == figures[0::3] and max(b - f for b, f in zip(before, figures)) > 0.02  # the hazard
 
-    budgets, snug = snug_arenas(roomy, plans=plans, predict=lambda made: step_times(made, TWO_CORES))
+    budgets, snug = snug_arenas(roomy, plans=_double_buffered_plans, predict=lambda made: step_times(made, TWO_CORES))
     for plan in snug:
         validate(plan)
     assert all(s <= f for s, f in zip(step_times(snug, TWO_CORES), figures, strict=True))
@@ -123,28 +126,21 @@ def test_snug_arenas_keep_the_updates_a_steady_chain_hides() -> None:
     bytes."""
     from luwu_rt.plan.cost import steady_seconds
 
-    model = replace(gpt_model_spec(get_preset("gpt-small"), batch_size=1, seq_len=64, chunk_bytes=4 << 20),
-                    param_bytes=4, grad_bytes=4, optimizer_waits_for_backward=True)
-    nvme = Placement(params="nvme", optimizer="nvme", grads="host")
     roomy = replace(ROOMY, nvme_bytes=64 << 30)
-
-    def plans(budgets):
-        halves = plan_speculative(model, budgets=budgets, placement=nvme, strategy=ZERO3)
-        return tuple(plan for pair in halves.values() for plan in pair)
 
     def steady_only(made):
         return tuple(t for p in made if p.wrap_deps for t in (estimate(p, TWO_CORES, steady=True).predicted_step_s,
                                                               steady_seconds(p, TWO_CORES)))
 
-    free = plans(roomy)
+    free = _double_buffered_plans(roomy)
     figures = step_times(free, TWO_CORES)
-    _, narrow = snug_arenas(roomy, plans=plans, predict=steady_only)
+    _, narrow = snug_arenas(roomy, plans=_double_buffered_plans, predict=steady_only)
     before = step_times(narrow, TWO_CORES)
     kept = [i for i in range(len(figures)) if i % 3 != 2]
     assert [before[i] for i in kept] == [figures[i] for i in kept]  # the steady figures do not see it
     assert max(b - f for b, f in zip(before[2::3], figures[2::3])) > 0.005  # the hazard: the updates end later
 
-    budgets, snug = snug_arenas(roomy, plans=plans, predict=lambda made: step_times(made, TWO_CORES))
+    budgets, snug = snug_arenas(roomy, plans=_double_buffered_plans, predict=lambda made: step_times(made, TWO_CORES))
     for plan in snug:
         validate(plan)
     assert all(s <= f for s, f in zip(step_times(snug, TWO_CORES), figures, strict=True))
