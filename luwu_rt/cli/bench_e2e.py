@@ -334,7 +334,13 @@ def model_profiles(configs: list[Config], *, profile: str, directory: str,
     measured on that model, batch and sequence (``probes.compute_rate``), as ``luwu calibrate --model`` would,
     and for ranks that share the CPU by that many ranks side by side ([Note: the compute rate of ranks side by
     side] in probes.py). A profile that is no calibration of this machine (no ``_machine`` note: ``builtin``,
-    a testbed's) is used as it is."""
+    a testbed's) is used as it is.
+
+    Where ranks run side by side, the network between them is measured again too (``probes.collectives``, a
+    few seconds), for the same reason: a report's calibration is taken once, before half an hour of runs, and
+    one slow probe then moved a third of its grid. On 2026-12-07 a calibration measured gloo at 0.81 GB/s
+    where the afternoon's had 1.45, and every 2-rank configuration at batch 1 x 64 without NVMe was
+    over-predicted by 9-27% (within -6% to +10.4% replanned with the afternoon's figures)."""
     from luwu_rt.cli import probes
     from luwu_rt.engine.hwprofile import choose_profile
 
@@ -346,6 +352,11 @@ def model_profiles(configs: list[Config], *, profile: str, directory: str,
     out: dict[Config, str] = {}
     done: dict[tuple, str] = {}
     on_cpu = base.get("_machine", {}).get("device") == "cpu"
+    if any(c.nproc > 1 for c in configs):
+        say("collectives between 2 ranks ...")
+        coll = probes.collectives()
+        base.update(probes.collective_keys(coll))
+        base.setdefault("_measured", {})["collectives"] = coll
     for c in configs:
         # Ranks that share the CPU measure it side by side ([Note: the compute rate of ranks side by side]).
         ranks = c.nproc if on_cpu else 1

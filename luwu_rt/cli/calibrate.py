@@ -100,15 +100,12 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     zmq_gbps = timed("node protocol", probes.zmq_protocol_gbps, total=args.net_mib << 20,
                      chunk=min(4 << 20, args.net_mib << 20))
     zmq_latency = timed("node latency", probes.zmq_latency_s)
-    net_gbps = coll["gbps"]["all_reduce"]
     profile = {
         "nvme_read_gbps": disk["read_gbps"], "nvme_write_gbps": disk["write_gbps"],
         "h2d_gbps": h2d, "d2h_gbps": d2h,
         "host_optim_params_per_s": host_optim, "device_optim_params_per_s": dev_optim,
         "compute_flops": compute["flops"],
-        "net_gbps": net_gbps, "net_latency_s": coll["latency_s"],
-        # One machine: the ranks of a sharding group talk over the same loopback as all ranks.
-        "group_gbps": net_gbps, "group_latency_s": coll["latency_s"],
+        **probes.collective_keys(coll),
         "host_mem_gbps": mem, "device_mem_gbps": dev_mem,
         # The optimizer node of a local run is a process of this machine: its figures are the host's.
         "node_gbps": zmq_gbps, "node_latency_s": zmq_latency, "node_optim_params_per_s": host_optim,
@@ -116,8 +113,6 @@ def calibrate(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         "cpu_overlap": shared["cpu_overlap"], "nvme_overlap": disk["overlap"],
         "nvme_core_s_per_gb": disk["core_s_per_gb"],
         **codecs,
-        "shard_collective_factor": max(1.0, net_gbps * (1 / coll["gbps"]["reduce_scatter"]
-                                                        + 1 / coll["gbps"]["all_gather"]) / 2),
     }
     measured = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

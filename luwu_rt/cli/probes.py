@@ -459,6 +459,16 @@ def collectives(*, mib: int = 16, timeout_s: float = 120.0) -> dict:
     return {"latency_s": alpha, "gbps": algbw, "times_s": r, "mib": mib}
 
 
+def collective_keys(coll: dict) -> dict[str, float]:
+    """The profile's figures of the network between ranks from a ``collectives`` result: one machine's ranks talk
+    over one loopback, inside a sharding group as between all ranks."""
+    net_gbps = coll["gbps"]["all_reduce"]
+    return {"net_gbps": net_gbps, "net_latency_s": coll["latency_s"],
+            "group_gbps": net_gbps, "group_latency_s": coll["latency_s"],
+            "shard_collective_factor": max(1.0, net_gbps * (1 / coll["gbps"]["reduce_scatter"]
+                                                            + 1 / coll["gbps"]["all_gather"]) / 2)}
+
+
 def zmq_protocol_gbps(*, total: int = 64 << 20, chunk: int = 4 << 20, repeats: int = 3) -> float:
     """The node protocol's push+pull payload GB/s over TCP loopback: a worker pushes ``total`` bytes in
     ``chunk``-byte PUSH_GRAD messages, each decoded (CRC-32C checked) and acknowledged by a ROUTER on a thread,

@@ -147,3 +147,34 @@ def test_planner_truth_on_a_small_model(tmp_path, monkeypatch):
     for r in results:
         # Predicted on the calibration with the model's own compute rate, a file of its own.
         assert r.step_s > 0 and r.predicted_step_s > 0 and r.profile.startswith("profile ")
+
+
+def test_each_round_measures_the_model_and_the_network_again(tmp_path, monkeypatch):
+    """[Note: the compute rate of the model at hand] (cli/bench_e2e.py): on this machine's calibration each
+    model gets its own compute rate, and where ranks run side by side the network between them is measured
+    again; every other figure stays the calibration's. A profile that is no calibration is used as it is."""
+    from luwu_rt.cli import bench_e2e, probes
+    from luwu_rt.plan import HardwareProfile
+
+    calibration = tmp_path / "hw.json"
+    calibration.write_text(json.dumps({"compute_flops": 1e11, "net_gbps": 0.8, "nvme_read_gbps": 2.5,
+                                       "_machine": {"device": "cpu", "cores": 2}}))
+    rates = []
+    monkeypatch.setattr(probes, "compute_rate", lambda model, **shape: rates.append((model, shape)) or {"flops": 3e11})
+    coll = {"latency_s": 2e-4, "gbps": {"all_reduce": 1.5, "reduce_scatter": 1.0, "all_gather": 1.0}}
+    monkeypatch.setattr(probes, "collectives", lambda: coll)
+    one = Config(model="gpt-tiny", strategy="local", placement="host", batch_size=1, seq_len=16)
+    two = dataclasses.replace(one, strategy="zero3", nproc=2)
+    got = bench_e2e.model_profiles([one, two], profile=str(calibration), directory=str(tmp_path))
+    assert [shape["ranks"] for _, shape in rates] == [1, 2]
+    for config in (one, two):
+        values = json.loads(open(got[config]).read())
+        profile = HardwareProfile.from_dict(values)
+        assert profile.compute_flops == 3e11 and profile.nvme_read_gbps == 2.5
+        assert (profile.net_gbps, profile.group_gbps, profile.net_latency_s) == (1.5, 1.5, 2e-4)
+        assert profile.shard_collective_factor == pytest.approx(1.5)  # 1.5 * (1 / 1 + 1 / 1) / 2
+        assert values["_measured"]["collectives"] == coll
+    (tmp_path / "alone").mkdir()
+    alone = bench_e2e.model_profiles([one], profile=str(calibration), directory=str(tmp_path / "alone"))
+    assert json.loads(open(alone[one]).read())["net_gbps"] == 0.8, "no ranks side by side: no network probe"
+    assert bench_e2e.model_profiles([two], profile="builtin", directory=str(tmp_path)) == {two: "builtin"}
