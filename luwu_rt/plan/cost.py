@@ -51,7 +51,7 @@ from .spec import TIERS, HardwareProfile
 from .steady import periods
 
 __all__ = ["Disturbance", "SHARED_CORE_QUEUES", "SYNCED_GROUPS", "StepCost", "Timeline", "collective_seconds",
-           "couple", "estimate", "op_seconds", "op_times", "return_seconds", "steady_seconds", "step_cost",
+           "couple", "estimate", "op_seconds", "op_times", "period_times", "steady_seconds", "step_cost",
            "step_seconds", "timelines"]
 
 _GB = 1e9
@@ -530,11 +530,26 @@ def estimate(plan: SwapPlan, profile: HardwareProfile, *, node: SwapPlan | None 
     run, node_run = _runs(plan, profile, node)
     cost = step_cost(run, node_run)
     if steady and plan.wrap_deps and node is None:
-        # The pipeline hides the tail, not the work: a period still needs its disk and its shared cores.
-        load = _queue_load(run)
-        bound = max(load.get("nvme", 0.0), load.get("cores", 0.0))
-        cost = dataclasses.replace(cost, predicted_step_s=max(steady_seconds(plan, profile), bound))
+        cost = dataclasses.replace(cost, predicted_step_s=_steady_step(run, steady_seconds(plan, profile)))
     return cost
+
+
+def _steady_step(run: Timeline, chain: float) -> float:
+    """A step in steady state: its chain (``steady_seconds``), and at least what its cold ``run`` needs of the
+    disk and the shared cores: the pipeline hides the tail, not the work."""
+    load = _queue_load(run)
+    return max(chain, load.get("nvme", 0.0), load.get("cores", 0.0))
+
+
+def period_times(plan: SwapPlan, profile: HardwareProfile) -> tuple[float, float, float]:
+    """For a plan with wrap dependencies, each simulation run once: its predicted step in steady state
+    (``estimate(..., steady=True)``), the chain under it (``steady_seconds``), and when a period started cold
+    returns: the last completion of an op outside its tail (the updates, not their write-backs), with no bound
+    of a shared resource under it."""
+    run, = timelines([plan], profile)
+    chain = steady_seconds(plan, profile)
+    returned = max((t for i, t in enumerate(run.done) if i not in plan.tail), default=0.0)
+    return _steady_step(run, chain), chain, returned
 
 
 def steady_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
@@ -544,13 +559,6 @@ def steady_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
     n = len(plan.ops)
     ends = [max((run.done[k * n + i] for i in range(n) if i not in plan.tail), default=0.0) for k in range(3)]
     return ends[2] - ends[1]
-
-
-def return_seconds(plan: SwapPlan, profile: HardwareProfile) -> float:
-    """When a period of ``plan`` started cold returns: the last completion of an op outside its tail (the
-    updates, not their write-backs), with no bound of a shared resource under it."""
-    run, = timelines([plan], profile)
-    return max((t for i, t in enumerate(run.done) if i not in plan.tail), default=0.0)
 
 
 def step_cost(run: Timeline, node_run: Timeline | None = None) -> StepCost:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .analysis import live_bytes
-from .cost import StepCost, estimate, return_seconds, steady_seconds
+from .cost import StepCost, estimate, period_times
 from .node import NODE_TIERS, node_lower_bounds, plan_node
 from .ops import SwapPlan
 from .halves import mirror
@@ -187,11 +187,9 @@ def step_times(plans: Sequence[SwapPlan], profile: HardwareProfile) -> tuple[flo
     """What ``snug_arenas`` judges a run's plans by: for each plan that runs as a period of the training pipeline
     (one with wrap dependencies: the step's, a double-buffered state's speculative and waiting halves, a
     compression warm-up's), its predicted step in steady state and the chains of dependencies under that
-    prediction: in steady state (``steady_seconds``) and up to the updates of a cold period (``return_seconds``)
+    prediction: in steady state (``steady_seconds``) and up to the updates of a cold period (``period_times``)
     ([Note: a chain under the bound])."""
-    return tuple(t for p in plans if p.wrap_deps
-                 for t in (estimate(p, profile, steady=True).predicted_step_s, steady_seconds(p, profile),
-                           return_seconds(p, profile)))
+    return tuple(t for p in plans if p.wrap_deps for t in period_times(p, profile))
 
 
 def snug_arenas(budgets: Budgets, *, plans: Callable[[Budgets], Sequence[SwapPlan]],
@@ -237,7 +235,7 @@ def snug_arenas(budgets: Budgets, *, plans: Callable[[Budgets], Sequence[SwapPla
     update, against 30 ms when the state was loaded during backward). Interleaved runs (luwu train, 3 rounds,
     median step over rounds): 0.563 s with that arena, 0.495 s with the 281 MiB the judge keeps now and 0.517 s
     with no limit on the host arena. So ``step_times`` also judges when a cold period's updates end
-    (``return_seconds``)."""
+    (``period_times``)."""
     def figures(made: Sequence[SwapPlan]) -> tuple[float, ...]:
         got = predict(made)
         return (got,) if isinstance(got, (int, float)) else tuple(got)
