@@ -188,8 +188,9 @@ class NvmeTier:
         from luwu_rt import _C
 
         region, offset = self._place(unit, state, first_chunk, buffer.nbytes)
-        crcs = [_C.crc32c(v.numpy()) for v in self._chunk_views(buffer)]
         ticket = self.engine.submit_write(region.path, offset=offset, buffer=buffer)
+        # Checksummed while the disk writes it (the buffer is unchanged until wait), not before it starts.
+        crcs = [_C.crc32c(v.numpy()) for v in self._chunk_views(buffer)]
         return NvmeRequest(ticket, unit, state, first_chunk, crcs)
 
     def submit_read(self, unit: int, state: str, *, first_chunk: int, buffer: torch.Tensor) -> NvmeRequest:

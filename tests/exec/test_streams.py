@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from luwu_rt.exec.streams import QUEUE_STREAMS, DeferredStream, HostEvent, HostStream, JoinedEvent, Queues
+from luwu_rt.exec.streams import QUEUE_STREAMS, DeferredStream, HostEvent, HostStream, IOStream, JoinedEvent, Queues
 from luwu_rt.plan.ops import QUEUES
 
 
@@ -128,6 +128,43 @@ def test_queues_threads_live_until_close_and_are_joined() -> None:
     queues.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         queues.submit("compute", lambda: None)
+
+
+def test_a_transfer_is_completed_as_it_ends_not_when_its_consumer_comes(gate) -> None:
+    """[Note: completing a transfer where it ends]: the completion (a read's checksums) runs on the stream's
+    completer thread with no consumer waiting; a failed one still reaches whoever synchronises its event."""
+    before = _luwu_threads()
+    with Queues() as queues:
+        stream = queues.stream("nvme_read")
+        assert isinstance(stream, IOStream)
+        completed: list[str] = []
+        done = threading.Event()
+
+        def transfer():  # a transfer that ends when the gate opens
+            def complete():
+                gate.wait()
+                completed.append(threading.current_thread().name)
+                done.set()
+            return complete
+
+        events = []
+        queues.submit("nvme_read", lambda: (stream.launch(transfer), events.append(stream.record()))).wait()
+        gate.set()
+        assert done.wait(10), "nobody synchronised the event, and the transfer was never completed"
+        assert completed == ["luwu-nvme_read-completer"]
+
+        def corrupt():
+            def complete():
+                raise OSError("checksum mismatch")
+            return complete
+
+        queues.submit("nvme_read", lambda: (stream.launch(corrupt), events.append(stream.record()))).wait()
+        with pytest.raises(OSError, match="checksum mismatch"):
+            events[1].synchronize()
+        events[0].synchronize()
+        started = _luwu_threads() - before
+        assert {t.name for t in started} == {"luwu-nvme_read", "luwu-nvme_read-completer"}
+    assert not any(t.is_alive() for t in started)
 
 
 def test_every_plan_queue_has_a_stream_and_a_reason() -> None:
