@@ -5,7 +5,9 @@ Each contestant trains the same model from the same seed on the same batches (by
 default ``luwu train``'s run: gpt-tiny, the embedded standard-library corpus, 300
 steps) with its optimizer state forced onto NVMe, so that a clipping run is
 double-buffered and may update speculatively ([Note: when to speculate] in
-luwu_rt/exec/speculate.py):
+luwu_rt/exec/speculate.py); ``--optimizer host`` forces it into host memory
+instead, where nothing is double-buffered and every clipping contestant waits for
+the norm (its plan column says why): what exact clipping costs there.
 
 - ``clip off``: no clipping, so nothing waits for the norm: the baseline step;
 - ``wait``: clipping 1.0, every update waits for the step's norm (``never``);
@@ -25,7 +27,8 @@ rounds each trains from scratch again, the order rotated, and each ratio is the
 median of the rounds' ratios. wait, adaptive and always are all exact ``clip_grad_norm_``
 + AdamW: their losses must be the same at every step, or the script exits 1.
 
-    python benchmarks/bench_speculate.py [--steps 300] [--rounds 1] [--interleave 10] [--nvme-dir DIR] --out FILE
+    python benchmarks/bench_speculate.py [--steps 300] [--rounds 1] [--interleave 10] [--optimizer nvme|host]
+        [--nvme-dir DIR] --out FILE
 """
 
 from __future__ import annotations
@@ -56,7 +59,6 @@ CONTESTANTS = {"clip off": (0.0, None), "wait": (1.0, "never"), "adaptive": (1.0
 """Name: (grad_clip, speculation; ``None`` where no norm is waited for)."""
 EXACT = ("wait", "adaptive", "always")
 """Contestants that must agree bit for bit: each is exact clipping."""
-NOT_DOUBLE_BUFFERED = "not double-buffered (state not on NVMe / second half does not fit)"
 ENDS = ("commit", "redo", "skip", "wait")
 
 
@@ -71,7 +73,8 @@ class Run:
     times: list[float] = field(default_factory=list)
     """Wall seconds of each ``train_step``, step 1 included."""
     ends: list[str] = field(default_factory=list)
-    """How each step ended (a key of ``SpeculativeRuns.counts``; "" without a double buffer)."""
+    """How each step ended (a key of ``SpeculativeRuns.counts``; without a double buffer "wait" where the updates
+    waited for the norm, "" where they had none to wait for)."""
     losses: list[float] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
@@ -93,7 +96,8 @@ class Run:
 
 
 def _config(args: argparse.Namespace, *, clip: float, nvme_dir: str) -> TrainConfig:
-    offload = {"optimizer": "nvme", "nvme_dir": nvme_dir, "device_mem": args.device_mem, "host_mem": args.host_mem}
+    offload = {"optimizer": args.optimizer, "nvme_dir": nvme_dir, "device_mem": args.device_mem,
+               "host_mem": args.host_mem}
     return from_mapping(TrainConfig, {"model": args.model, "steps": args.steps, "batch_size": args.batch_size,
                                       "seq_len": args.seq_len, "seed": args.seed, "optim": {"grad_clip": clip},
                                       "offload": offload})
@@ -106,7 +110,7 @@ def _start(name: str, args: argparse.Namespace, scratch: Path) -> tuple[Engine, 
     if engine.speculation is not None:
         engine.speculation.step.speculation = mode
     plan = ("double-buffered" if engine.speculation is not None else "in place (no norm to wait for)"
-            if mode is None else NOT_DOUBLE_BUFFERED)
+            if mode is None else f"waits: {engine.why_updates_wait}")
     p = engine.placement
     engine.sampler()  # reads the corpus: not a step's time
     return engine, Run(name=name, plan=plan, placement=f"params {p.params}, optimizer {p.optimizer}, grads {p.grads}")
@@ -119,13 +123,13 @@ def _steps(engine: Engine, run: Run, count: int) -> None:
         start = time.perf_counter()
         m = engine.train_step()
         run.times.append(time.perf_counter() - start)
-        run.ends.append(spec.last if spec is not None else "")
+        run.ends.append(spec.last if spec is not None else "wait" if engine.why_updates_wait else "")
         run.losses.append(m["loss"])
         run.norms.append(m["grad_norm"])
     # The last step's tail of write-backs ([Note: steady state]) must not run on beside the next contestant's
     # turn: it ends here, untimed.
     engine.queues.drain()
-    run.counts = dict(spec.counts) if spec is not None else {}
+    run.counts = dict(spec.counts) if spec is not None else {"wait": run.ends.count("wait")} if run.ends[-1] else {}
 
 
 def _round(names: list[str], args: argparse.Namespace, scratch: Path) -> dict[str, Run]:
@@ -204,7 +208,8 @@ def _header(args: argparse.Namespace, rounds: list[dict[str, Run]], *, load_befo
             f"Command: `python benchmarks/bench_speculate.py {' '.join(sys.argv[1:])}`", "",
             f"Run: {args.model}, batch {args.batch_size} x {args.seq_len} tokens, seed {args.seed}, {args.steps} "
             f"steps from scratch per contestant on the default corpus (`luwu train`'s), optimizer state forced onto "
-            f"NVMe ({placements}); budgets device {args.device_mem}, host {args.host_mem}; {args.rounds} round(s), "
+            f"{'NVMe' if args.optimizer == 'nvme' else 'host memory'} ({placements}); "
+            f"budgets device {args.device_mem}, host {args.host_mem}; {args.rounds} round(s), "
             f"the contestants taking turns every {args.interleave or args.steps} steps. "
             f"Step 1 of each engine is its warm-up: counted, not timed. The norm exceeds the clip threshold 1.0 in "
             f"{clipped} of {args.steps} steps.", ""]
@@ -230,8 +235,8 @@ def _redo_lines(args: argparse.Namespace, rounds: list[dict[str, Run]]) -> list[
     lines = []
     for name in ("adaptive", "always"):
         r = rounds[0][name]
-        if not r.counts:
-            lines.append(f"{name}: {NOT_DOUBLE_BUFFERED}.")
+        if r.plan != "double-buffered":
+            lines.append(f"{name}: not double-buffered, every step waited ({r.plan}).")
             continue
         costs = [x[name].redo_cost(x["clip off"].median()) for x in rounds]
         timed = len(r.timed("redo"))
@@ -271,11 +276,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="steps a contestant runs before the next takes its turn, all engines alive (0: all of "
                              "its steps in one turn; default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of a throwaway engine first")
+    parser.add_argument("--optimizer", choices=("nvme", "host"), default="nvme",
+                        help="where the optimizer state is forced (default %(default)s: double-buffered under "
+                             "clipping; host: every clipping contestant waits for the norm)")
     parser.add_argument("--nvme-dir", default=None, help="scratch directory for the NVMe tier (default: a temp dir)")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.rounds < 1:
         parser.error("--steps must be >= 2 (step 1 is the warm-up) and --rounds >= 1")
+    if args.optimizer == "host" and args.host_mem == "auto":
+        parser.error("--optimizer host needs a --host-mem that holds the optimizer state (auto is luwu train's "
+                     "budget, which keeps a small model out of core): e.g. --host-mem 1GiB")
     return args
 
 

@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     from luwu_rt.engine.kept import fewest_kept, plan_kept
     from luwu_rt.plan import DoesNotFit, Placement, estimate, plan_auto, validate
-    from luwu_rt.plan.search import plan_speculative
+    from luwu_rt.plan.search import speculate_or_wait
 
     for flag, value in (("--chaos-seed", args.chaos_seed), ("--trace", args.trace)):
         if value is not None and not args.simulate:
@@ -267,17 +267,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
     validate(result.plan)  # never report a plan that breaks an invariant
     node_plan = None if node is None else node.plan
-    from luwu_rt.engine.strategy import warmup_steps
+    from luwu_rt.engine.strategy import WARMUP_HAS_ONE_HALF, warmup_steps
 
     warmup = warmup_steps(config.compress_warmup, strategy)  # a run with a warm-up has no double-buffered state
-    halves = None if node is not None or warmup else plan_speculative(
+    made = WARMUP_HAS_ONE_HALF if warmup and model.optimizer_waits_for_backward else speculate_or_wait(
         model, budgets=budgets, placement=result.placement, strategy=strategy, policy=policy)
+    halves = made if isinstance(made, dict) else None
     if halves is not None:  # the plan luwu train runs: updates speculate ([Note: speculative updates])
         result = dataclasses.replace(result, plan=halves["speculate"][0])
         validate(result.plan)
     # A step in steady state, beside the previous one's tail, as luwu train runs them ([Note: steady state]).
     cost = estimate(result.plan, profile, node=node_plan, steady=node_plan is None)
     report = {**head, "fits": True, **_describe(result, cost), "updates": _updates(model, halves)}
+    if made and isinstance(made, str):  # why the updates wait for the norm
+        report["updates_wait_because"] = made
     if halves is not None:
         report["predicted_by_updates"] = _by_updates(halves, profile, committed=cost.predicted_step_s)
     if config.compress != "none":  # each unit's codec, and what it saves ([Note: selective compression])
@@ -479,7 +482,7 @@ def _text(head: dict, r: dict) -> str:
     lines.append("")
     lines.append(f"predicted step time {r['predicted_step_s']:.3g} s, bottleneck {r['bottleneck']} "
                  f"(busy: {_busy(r['busy_s'])})")
-    lines.append(f"updates: {r['updates']}")
+    lines.append(f"updates: {r['updates']}" + (f": {r['updates_wait_because']}" if "updates_wait_because" in r else ""))
     if by := r.get("predicted_by_updates"):  # clipping persists from step to step: such steps wait
         lines.append(f"  a step that waits for the norm {by['wait']:.3g} s; one redone {by['redo']:.3g} s")
     lines.append(f"{r['num_ops']} ops, eviction {r['policy']}; device reserve for activations "

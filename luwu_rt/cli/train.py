@@ -176,7 +176,16 @@ def _describe(engine) -> str:
     else:
         ranks = "; peak"
     return (f"{engine.config.model}: {engine.chain.num_params / 1e6:.2f}M params in {engine.chain.num_units} units; "
-            f"{', '.join(homes)}{ranks} {peaks}; {_kept(engine)}; planned with the {engine.profile_choice.describe()}")
+            f"{', '.join(homes)}{ranks} {peaks}; {_kept(engine)}{_updates(engine)}; "
+            f"planned with the {engine.profile_choice.describe()}")
+
+
+def _updates(engine) -> str:
+    """When the updates run, where exact clipping or fp16 needs the step's norm before them ([Note: speculative
+    updates] in plan/sequence.py); nothing where they need not wait."""
+    if engine.speculation is not None:
+        return "; updates speculate on a double-buffered optimizer state (redone when the norm needs clipping)"
+    return f"; updates wait for the gradient norm: {engine.why_updates_wait}" if engine.why_updates_wait else ""
 
 
 def _kept(engine) -> str:

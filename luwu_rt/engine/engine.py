@@ -54,7 +54,7 @@ from luwu_rt.engine.hwprofile import choose_profile, per_rank
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.io import rank_queue_depth
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_checkpoint, verify_checkpoint
-from luwu_rt.engine.strategy import candidate_strategies, choose_plan, plan_digest, warmup_steps
+from luwu_rt.engine.strategy import WARMUP_HAS_ONE_HALF, candidate_strategies, choose_plan, plan_digest, warmup_steps
 from luwu_rt.engine.kept import plan_kept
 from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.exec import (Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, SpeculativeRuns,
@@ -64,7 +64,7 @@ from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk, wire_bytes
-from luwu_rt.plan.search import plan_speculative, snug_arenas, step_times
+from luwu_rt.plan.search import snug_arenas, speculate_or_wait, step_times
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -247,6 +247,9 @@ class Engine:
         # Arenas no larger than the step needs ([Note: arenas no larger than the step needs] in plan/search.py):
         # every plan over the store made again under each trial limit, judged by the steps' predicted times and
         # the chains under them ([Note: a chain under the bound] there).
+        self.why_updates_wait: str | None = None
+        """Why the step's updates wait for its norm where clipping or fp16 needs it before them (``""``: they need
+        not wait, or they speculate), as the planner says (``speculate_or_wait``)."""
         unlimited, halves = self._plans_for(budgets, step=result.plan)
         snug, _ = snug_arenas(budgets, plans=lambda b: unlimited if b is budgets else self._plans_for(
                                   b, halves=halves is not None)[0],
@@ -301,10 +304,15 @@ class Engine:
     def _double_buffered(self, budgets: Budgets) -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
         """The plans of a double-buffered optimizer state, by half (``plan_speculative``); ``None`` when the run's
         updates need not wait for the norm, its optimizer state is not on NVMe in this process, or the second half
-        does not fit."""
-        if self._warms():  # one plan per step kind: not two warm-up halves as well (not built)
-            return None
-        return plan_speculative(self.model_spec, budgets=budgets, placement=self.placement, strategy=self.strategy)
+        does not fit. The first call, with the run's own budgets, sets ``why_updates_wait``."""
+        if self._warms() and self.model_spec.optimizer_waits_for_backward:
+            made = WARMUP_HAS_ONE_HALF  # one plan per step kind: not two warm-up halves as well (not built)
+        else:
+            made = speculate_or_wait(self.model_spec, budgets=budgets, placement=self.placement,
+                                     strategy=self.strategy)
+        if self.why_updates_wait is None:
+            self.why_updates_wait = made if isinstance(made, str) else ""
+        return made if isinstance(made, dict) else None
 
     # [Note: compression warm-up]
     # Error feedback delivers what a sparse codec leaves out later, in one piece: under topk:0.01 a value

@@ -22,7 +22,7 @@ from luwu_rt.plan.ops import Collective
 from luwu_rt.plan.search import PlanResult
 from luwu_rt.plan.spec import DATA_PARALLEL, Strategy
 
-__all__ = ["candidate_strategies", "choose_plan", "plan_digest", "warmup_steps"]
+__all__ = ["WARMUP_HAS_ONE_HALF", "candidate_strategies", "choose_plan", "plan_digest", "warmup_steps"]
 
 
 def warmup_steps(compress_warmup: int, strategy: Strategy) -> int:
@@ -30,6 +30,10 @@ def warmup_steps(compress_warmup: int, strategy: Strategy) -> int:
     ``--compress-warmup`` where ``strategy`` compresses, else none. Such a run has one plan per step kind: no
     double-buffered optimizer state. The engine and ``luwu plan`` both ask this."""
     return compress_warmup if strategy.compresses else 0
+
+
+WARMUP_HAS_ONE_HALF = "a run with a compression warm-up (--compress-warmup) has one half of the optimizer state"
+"""Why the updates of such a run wait for the step's norm where they would speculate (``warmup_steps``)."""
 
 
 def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0,

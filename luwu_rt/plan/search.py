@@ -37,7 +37,7 @@ from .sizes import flag_size, format_size, parse_size
 from .spec import ALIGN_BYTES, TIERS, Budgets, HardwareProfile, ModelSpec, Placement, Strategy
 
 __all__ = ["DoesNotFit", "PlanResult", "Remedy", "fitting_budgets", "plan_auto", "plan_node_auto",
-           "plan_node_speculative", "plan_speculative", "snug_arenas", "step_times"]
+           "plan_node_speculative", "plan_speculative", "snug_arenas", "speculate_or_wait", "step_times"]
 
 _FIELDS = ("params", "optimizer", "grads")
 
@@ -350,17 +350,39 @@ def plan_speculative(model: ModelSpec, *, budgets: Budgets, placement: Placement
     speculate] in exec/speculate.py). Only for a step that needs its norm before the updates
     (``model.optimizer_waits_for_backward``: exact clipping, fp16) with its optimizer state on NVMe in the process
     that runs the optimizer, under a resolved ``placement``; ``None`` otherwise, or when the second half does not
-    fit the NVMe budget (the updates then wait for the norm)."""
-    if not model.optimizer_waits_for_backward or placement.optimizer != "nvme":
-        return None
+    fit the budgets (the updates then wait for the norm: ``speculate_or_wait`` says why)."""
+    made = speculate_or_wait(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy)
+    return made if isinstance(made, dict) else None
+
+
+def speculate_or_wait(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
+                      policy: str | Policy = "belady") -> dict[str, tuple[SwapPlan, SwapPlan]] | str:
+    """``plan_speculative``'s plans, or why the step's updates wait for its norm instead: a sentence for the user
+    (``""`` when the updates need not wait: no clipping, no fp16)."""
+    if not model.optimizer_waits_for_backward:
+        return ""
+    if strategy.name == "node":
+        return "the optimizer node runs the updates (it speculates where its own optimizer state is on NVMe)"
+    if placement.optimizer != "nvme":
+        return (f"the optimizer state is in {placement.optimizer} memory, and only state on NVMe is "
+                f"double-buffered (in memory the second half would be a second copy of it)")
     model = dataclasses.replace(model, double_buffer=True)
     where = dict(budgets=budgets, placement=placement, strategy=strategy, policy=policy)
     try:
         plans = {"speculate": plan_step(dataclasses.replace(model, optimizer_waits_for_backward=False), **where),
                  "wait": plan_step(model, **where), "restore": plan_restore(model, **where)}
-    except ValueError:  # no room for the second half, or not a process that holds the optimizer state
-        return None
+    except OutOfBudget as exc:  # no room for the second half
+        need = lower_bounds(model, placement=placement, strategy=strategy)[exc.tier]
+        have = getattr(budgets, f"{exc.tier}_bytes")
+        budget = "" if have is None else f", the budget is {format_size(have)}"
+        return (f"the second half of the optimizer state does not fit: a double-buffered step needs at least "
+                f"{format_size(need)} of {_TIER_NAMES[exc.tier]}{budget}")
+    except ValueError as exc:  # any other reason the planner gives
+        return f"no double-buffered plan: {exc}"
     return {name: (plan, mirror(plan)) for name, plan in plans.items()}
+
+
+_TIER_NAMES = {"device": "device memory", "host": "host memory", "nvme": "NVMe"}
 
 
 def plan_node_speculative(model: ModelSpec, *, budgets: Budgets, placement: Placement, num_workers: int,

@@ -161,7 +161,14 @@ def _runs(script: str, tmp: Path) -> list[Run]:
                                            r"\| adaptive \| \d+\.\d+x \| (\d+\.\d+x|n/a) \| \d+\.\d+x \|",
                                            r"always: \d redo\(s\) in 3 steps",
                                            r"Exactness: wait, adaptive and always gave the same loss at every one of "
-                                           r"the 3 steps"])],
+                                           r"the 3 steps"]),
+                               # The state in memory: nothing double-buffered, every clipping step waits, and why.
+                               Run(args=["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
+                                         "--optimizer", "host", "--host-mem", "64MiB", "--nvme-dir", f"{tmp}/nvme"],
+                                   expect=[r"\| 1 \| wait \| waits: the optimizer state is in host memory.* \| - \| - "
+                                           r"\| - \| 3 \|",
+                                           r"always: not double-buffered, every step waited",
+                                           r"Exactness: wait, adaptive and always gave the same loss"])],
         "bench_train.py": [Run(args=["--part", "both", "--p5-model", "gpt-tiny", "--p5-batch-size", "1",
                                      "--p5-seq-len", "16", "--p5-rounds", "1", "--p5-steps", "1", "--p5-warmup", "1",
                                      "--p5-device-mem", "64MiB", "--p5-host-mem", "128MiB",

@@ -207,3 +207,12 @@ def test_the_double_buffered_plans_move_the_bytes_of_an_update_in_place() -> Non
     assert {type(op).__name__ for op in takers} == {"OptimStep"} and len(takers) == speculate.count("OptimStep")
     assert {op.unit for op in takers} == set(range(len(model.units)))
     assert estimate(speculate, profile).predicted_step_s <= estimate(waits, profile).predicted_step_s
+
+
+def test_the_engine_says_why_its_updates_wait(tmp_path) -> None:
+    """Where clipping makes the updates wait for the norm and they cannot speculate, the engine keeps the
+    planner's reason (``luwu train`` prints it on its first line); speculating, or not waiting, it has none."""
+    in_memory = Engine(None, _config(tmp_path, clip=1.0, placement=("host", "host", "device")))
+    assert in_memory.speculation is None and "optimizer state is in host memory" in in_memory.why_updates_wait
+    assert _speculating(_config(tmp_path, clip=1.0)).why_updates_wait == ""
+    assert Engine(None, _config(tmp_path, clip=0.0)).why_updates_wait == ""

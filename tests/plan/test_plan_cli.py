@@ -259,3 +259,23 @@ def test_the_demo_keeps_every_graph_and_the_text_says_how_many(capsys):
     assert main(["plan"]) == 0
     assert "kept graphs: 5 of 5 units keep their forward graph until backward (--keep-graphs auto: the most " \
            "that fit the device budget)" in capsys.readouterr().out
+
+
+def test_the_plan_says_why_updates_wait_for_the_norm(capsys, tmp_path):
+    """With exact clipping the updates speculate on a double-buffered optimizer state where its second half fits
+    on NVMe; where they wait for the norm instead, the answer says why: the state in memory, or no room for the
+    second half (the NVMe it needs named beside the budget)."""
+    base = ("--model", "gpt-tiny", "--grad-clip", "1.0", "--host-mem", "64MiB", "--nvme-dir", str(tmp_path))
+    code, out = run_json(capsys, *base, "--offload-optimizer", "nvme", "--nvme-size", "64MiB")
+    assert code == 0 and out["updates"].startswith("speculative") and "updates_wait_because" not in out
+    code, out = run_json(capsys, *base, "--offload-optimizer", "nvme", "--nvme-size", "16MiB")
+    assert code == 0 and out["updates"].startswith("after the step's gradient norm")
+    assert out["updates_wait_because"].startswith("the second half of the optimizer state does not fit")
+    assert "MiB of NVMe, the budget is 16 MiB" in out["updates_wait_because"]
+    code, out = run_json(capsys, *base, "--offload-optimizer", "host")
+    assert code == 0 and "optimizer state is in host memory" in out["updates_wait_because"]
+    assert main(["plan", *base, "--offload-optimizer", "host"]) == 0
+    assert "updates: after the step's gradient norm (exact clipping or fp16): the optimizer state is in host" \
+        in capsys.readouterr().out
+    code, out = run_json(capsys, *base[:2], "--grad-clip", "0", *base[4:], "--offload-optimizer", "host")
+    assert code == 0 and out["updates"] == "as gradients are final" and "updates_wait_because" not in out
