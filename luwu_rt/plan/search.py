@@ -358,11 +358,10 @@ def plan_speculative(model: ModelSpec, *, budgets: Budgets, placement: Placement
 def speculate_or_wait(model: ModelSpec, *, budgets: Budgets, placement: Placement, strategy: Strategy = Strategy(),
                       policy: str | Policy = "belady") -> dict[str, tuple[SwapPlan, SwapPlan]] | str:
     """``plan_speculative``'s plans, or why the step's updates wait for its norm instead: a sentence for the user
-    (``""`` when the updates need not wait: no clipping, no fp16)."""
-    if not model.optimizer_waits_for_backward:
+    (``""`` when the updates need not wait - no clipping, no fp16 - or when this process runs none: a worker of
+    the optimizer node, which speculates on its own, ``plan_node_speculative``)."""
+    if not model.optimizer_waits_for_backward or strategy.name == "node":
         return ""
-    if strategy.name == "node":
-        return "the optimizer node runs the updates (it speculates where its own optimizer state is on NVMe)"
     if placement.optimizer != "nvme":
         return (f"the optimizer state is in {placement.optimizer} memory, and only state on NVMe is "
                 f"double-buffered (in memory the second half would be a second copy of it)")
