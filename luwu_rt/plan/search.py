@@ -373,9 +373,12 @@ def speculate_or_wait(model: ModelSpec, *, budgets: Budgets, placement: Placemen
     except OutOfBudget as exc:  # no room for the second half
         need = lower_bounds(model, placement=placement, strategy=strategy)[exc.tier]
         have = getattr(budgets, f"{exc.tier}_bytes")
+        if have is not None and need <= have:  # the bound fits; the staging beside it does not
+            return (f"the second half of the optimizer state does not fit: a double-buffered step does not plan "
+                    f"within the {format_size(have)} of {_TIER_NAMES[exc.tier]}")
         budget = "" if have is None else f", the budget is {format_size(have)}"
         return (f"the second half of the optimizer state does not fit: a double-buffered step needs at least "
-                f"{format_size(need)} of {_TIER_NAMES[exc.tier]}{budget}")
+                f"{flag_size(need)} of {_TIER_NAMES[exc.tier]}{budget}")  # rounded up: more than the budget
     except ValueError as exc:  # any other reason the planner gives
         return f"no double-buffered plan: {exc}"
     return {name: (plan, mirror(plan)) for name, plan in plans.items()}

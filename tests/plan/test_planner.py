@@ -382,3 +382,22 @@ def test_forward_only_plan_reads_params_and_keeps_the_layout(params) -> None:
     # The same homes; each plan's arena is as large as its own copies reach (a store built for both takes the larger).
     assert dict(evaluation.home_slots) == dict(train.home_slots)
     assert evaluation.arena_bytes.keys() == train.arena_bytes.keys()
+
+
+def test_speculate_or_wait_says_what_keeps_the_second_half_out() -> None:
+    """Exact clipping with the optimizer state on NVMe: the double-buffered plans where they fit, else the reason
+    the updates wait, naming the tier; a bound within the budget that still does not plan is not called a need."""
+    from luwu_rt.plan.search import speculate_or_wait
+
+    model = dataclasses.replace(gpt_model_spec(get_preset("gpt-tiny"), batch_size=2, seq_len=16, chunk_bytes=64 << 10),
+                                optimizer_waits_for_backward=True)
+    placement = Placement(params="nvme", optimizer="nvme", grads="host")
+    said = {mib: speculate_or_wait(model, budgets=Budgets(device_bytes=64 << 20, host_bytes=mib << 20),
+                                   placement=placement) for mib in (1, 2, 3)}
+    assert said[1].endswith("needs at least 1.01MiB of host memory, the budget is 1 MiB")
+    assert said[2].endswith("does not plan within the 2 MiB of host memory")
+    assert set(said[3]) == {"speculate", "wait", "restore"}
+    assert speculate_or_wait(dataclasses.replace(model, optimizer_waits_for_backward=False),
+                             budgets=Budgets(device_bytes=64 << 20, host_bytes=3 << 20), placement=placement) == ""
+    assert "host memory" in speculate_or_wait(model, budgets=Budgets(device_bytes=64 << 20, host_bytes=64 << 20),
+                                              placement=Placement(params="host", optimizer="host", grads="host"))
