@@ -203,7 +203,6 @@ def run(args: argparse.Namespace) -> int:
 
     from luwu_rt.engine.kept import fewest_kept, plan_kept
     from luwu_rt.plan import DoesNotFit, Placement, estimate, plan_auto, validate
-    from luwu_rt.plan.search import speculate_or_wait
 
     for flag, value in (("--chaos-seed", args.chaos_seed), ("--trace", args.trace)):
         if value is not None and not args.simulate:
@@ -267,11 +266,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     validate(result.plan)  # never report a plan that breaks an invariant
     node_plan = None if node is None else node.plan
-    from luwu_rt.engine.strategy import WARMUP_HAS_ONE_HALF, warmup_steps
+    from luwu_rt.engine.strategy import double_buffered_or_why, warmup_steps
 
     warmup = warmup_steps(config.compress_warmup, strategy)  # a run with a warm-up has no double-buffered state
-    made = WARMUP_HAS_ONE_HALF if warmup and model.optimizer_waits_for_backward else speculate_or_wait(
-        model, budgets=budgets, placement=result.placement, strategy=strategy, policy=policy)
+    made = double_buffered_or_why(model, warmup=warmup, budgets=budgets, placement=result.placement,
+                                  strategy=strategy, policy=policy)
     halves = made if isinstance(made, dict) else None
     if halves is not None:  # the plan luwu train runs: updates speculate ([Note: speculative updates])
         result = dataclasses.replace(result, plan=halves["speculate"][0])

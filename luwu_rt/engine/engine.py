@@ -54,7 +54,8 @@ from luwu_rt.engine.hwprofile import choose_profile, per_rank
 from luwu_rt.fs import DirLock, lock_dir, missing_top, remove_made, scratch_name, writable_dir
 from luwu_rt.io import rank_queue_depth
 from luwu_rt.ckpt.save import PERSISTENT, rank_tensors, read_residual, save_checkpoint, verify_checkpoint
-from luwu_rt.engine.strategy import WARMUP_HAS_ONE_HALF, candidate_strategies, choose_plan, plan_digest, warmup_steps
+from luwu_rt.engine.strategy import (candidate_strategies, choose_plan, double_buffered_or_why, plan_digest,
+                                     warmup_steps)
 from luwu_rt.engine.kept import plan_kept
 from luwu_rt.kernels.dtypes import torch_dtype
 from luwu_rt.exec import (Executor, LocalOptimizer, OptimizerPlace, OptimizerStep, Queues, Span, SpeculativeRuns,
@@ -64,7 +65,7 @@ from luwu_rt.models.units import UnitChain
 from luwu_rt.models.weights import first_weights
 from luwu_rt.plan import Budgets, ModelSpec, Placement, SwapPlan, estimate, plan_step, validate
 from luwu_rt.plan.analysis import params_at_risk, wire_bytes
-from luwu_rt.plan.search import snug_arenas, speculate_or_wait, step_times
+from luwu_rt.plan.search import snug_arenas, step_times
 from luwu_rt.plan.spec import ceil_div
 from luwu_rt.store import TieredStore
 
@@ -247,17 +248,19 @@ class Engine:
         # Arenas no larger than the step needs ([Note: arenas no larger than the step needs] in plan/search.py):
         # every plan over the store made again under each trial limit, judged by the steps' predicted times and
         # the chains under them ([Note: a chain under the bound] there).
-        self.why_updates_wait: str | None = None
+        unlimited, made = self._plans_for(budgets, step=result.plan)
+        double = isinstance(made, dict)
+        self.why_updates_wait = made if isinstance(made, str) else ""
         """Why the step's updates wait for its norm where clipping or fp16 needs it before them (``""``: they need
         not wait, or they speculate), as the planner says (``speculate_or_wait``)."""
-        unlimited, halves = self._plans_for(budgets, step=result.plan)
         snug, _ = snug_arenas(budgets, plans=lambda b: unlimited if b is budgets else self._plans_for(
-                                  b, halves=halves is not None)[0],
+                                  b, halves=double)[0],
                               predict=lambda plans: step_times(plans, profile))
-        (self.plan, self.eval_plan, *others), self.halves = self._plans_for(
-            snug, step=result.plan if snug is budgets else None, halves=halves is not None, check=True)
-        """``halves``: the step's plans by half of a double-buffered optimizer state (``plan_speculative``), the
-        step's plan the speculative one; ``None`` when the state has one half."""
+        (self.plan, self.eval_plan, *others), made = self._plans_for(
+            snug, step=result.plan if snug is budgets else None, halves=double, check=True)
+        self.halves: dict[str, tuple[SwapPlan, SwapPlan]] | None = made if isinstance(made, dict) else None
+        """The step's plans by half of a double-buffered optimizer state (``plan_speculative``), the step's plan the
+        speculative one; ``None`` when the state has one half."""
         self.warm_plan: SwapPlan | None = others[0] if self._warms() else None
         """The step of a compression warm-up ([Note: compression warm-up]); ``None`` without one."""
         if self.halves is not None:
@@ -274,19 +277,20 @@ class Engine:
             self._made_dirs()  # the plan keeps nothing on NVMe: no directory of ours in the way while it runs
 
     def _plans_for(self, budgets: Budgets, *, step: SwapPlan | None = None, halves: bool | None = None,
-                   check: bool = False) -> tuple[tuple[SwapPlan, ...], dict[str, tuple[SwapPlan, SwapPlan]] | None]:
+                   check: bool = False) -> tuple[tuple[SwapPlan, ...], dict[str, tuple[SwapPlan, SwapPlan]] | str]:
         """Every plan this run makes over its store with ``budgets`` - the step's (a double-buffered optimizer
         state's speculative one), evaluation's, a compression warm-up's (third, when ``_warms``), the other
-        halves' - and the halves by name (``None``: one half, ``_double_buffered``). ``step``: the step's plan of
-        a state with one half, made already;
+        halves' - and ``_double_buffered``'s answer: the halves by name, or why the state has one. ``step``: the
+        step's plan of a state with one half, made already;
         ``halves``: whether the state must have two (else ``ValueError``, as for a plan that does not fit);
         ``check``: each plan validated."""
         made = self._double_buffered(budgets)
-        if halves is not None and halves != (made is not None):
+        two = made if isinstance(made, dict) else None
+        if halves is not None and halves != (two is not None):
             raise ValueError("the second half of the optimizer state does not fit these budgets")
-        model = replace(self.model_spec, double_buffer=made is not None)
-        if made is not None:
-            step = made["speculate"][0]
+        model = replace(self.model_spec, double_buffer=two is not None)
+        if two is not None:
+            step = two["speculate"][0]
         elif step is None:
             step = plan_step(model, budgets=budgets, placement=self.placement, strategy=self.strategy)
         # Evaluation runs a forward-only plan (one micro-batch) over the same store: the same layout (which
@@ -295,24 +299,17 @@ class Engine:
                                strategy=self.strategy)
         warm = (plan_step(replace(model, uncompressed=True), budgets=budgets, placement=self.placement,
                           strategy=self.strategy),) if self._warms() else ()
-        plans = (step, evaluation, *warm, *(p for pair in (made or {}).values() for p in pair if p is not step))
+        plans = (step, evaluation, *warm, *(p for pair in (two or {}).values() for p in pair if p is not step))
         if check:
             for plan in plans:
                 validate(plan)
         return plans, made
 
-    def _double_buffered(self, budgets: Budgets) -> dict[str, tuple[SwapPlan, SwapPlan]] | None:
-        """The plans of a double-buffered optimizer state, by half (``plan_speculative``); ``None`` when the run's
-        updates need not wait for the norm, its optimizer state is not on NVMe in this process, or the second half
-        does not fit. The first call, with the run's own budgets, sets ``why_updates_wait``."""
-        if self._warms() and self.model_spec.optimizer_waits_for_backward:
-            made = WARMUP_HAS_ONE_HALF  # one plan per step kind: not two warm-up halves as well (not built)
-        else:
-            made = speculate_or_wait(self.model_spec, budgets=budgets, placement=self.placement,
-                                     strategy=self.strategy)
-        if self.why_updates_wait is None:
-            self.why_updates_wait = made if isinstance(made, str) else ""
-        return made if isinstance(made, dict) else None
+    def _double_buffered(self, budgets: Budgets) -> dict[str, tuple[SwapPlan, SwapPlan]] | str:
+        """The plans of a double-buffered optimizer state, by half, or why the state has one half
+        (``double_buffered_or_why``; ``""`` where the updates need not wait for the norm)."""
+        return double_buffered_or_why(self.model_spec, warmup=warmup_steps(self.config.compress_warmup, self.strategy),
+                                      budgets=budgets, placement=self.placement, strategy=self.strategy)
 
     # [Note: compression warm-up]
     # Error feedback delivers what a sparse codec leaves out later, in one piece: under topk:0.01 a value

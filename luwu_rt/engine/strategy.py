@@ -15,14 +15,14 @@ import hashlib
 
 from dataclasses import replace
 
-from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, plan_auto
+from luwu_rt.plan import Budgets, HardwareProfile, ModelSpec, Placement, SwapPlan, plan_auto
 from luwu_rt.plan.codec import COMPRESSING_STRATEGIES, parse_request
 from luwu_rt.plan.compression import resolve_compression
 from luwu_rt.plan.ops import Collective
-from luwu_rt.plan.search import PlanResult
+from luwu_rt.plan.search import PlanResult, speculate_or_wait
 from luwu_rt.plan.spec import DATA_PARALLEL, Strategy
 
-__all__ = ["WARMUP_HAS_ONE_HALF", "candidate_strategies", "choose_plan", "plan_digest", "warmup_steps"]
+__all__ = ["candidate_strategies", "choose_plan", "double_buffered_or_why", "plan_digest", "warmup_steps"]
 
 
 def warmup_steps(compress_warmup: int, strategy: Strategy) -> int:
@@ -32,8 +32,14 @@ def warmup_steps(compress_warmup: int, strategy: Strategy) -> int:
     return compress_warmup if strategy.compresses else 0
 
 
-WARMUP_HAS_ONE_HALF = "a run with a compression warm-up (--compress-warmup) has one half of the optimizer state"
-"""Why the updates of such a run wait for the step's norm where they would speculate (``warmup_steps``)."""
+def double_buffered_or_why(model: ModelSpec, *, warmup: int, budgets: Budgets, placement: Placement,
+                           strategy: Strategy, policy: str = "belady") -> dict[str, tuple[SwapPlan, SwapPlan]] | str:
+    """``speculate_or_wait`` for a run with ``warmup`` steps of compression warm-up (``warmup_steps``): such a run
+    has one plan per step kind, so one half of the optimizer state (two warm-up halves are not built), and its
+    updates wait where they would speculate. The engine and ``luwu plan`` both ask this."""
+    if warmup and model.optimizer_waits_for_backward:
+        return "a run with a compression warm-up (--compress-warmup) has one half of the optimizer state"
+    return speculate_or_wait(model, budgets=budgets, placement=placement, strategy=strategy, policy=policy)
 
 
 def candidate_strategies(name: str, *, world_size: int, shard_group_size: int = 0,

@@ -183,6 +183,12 @@ class Stream(Protocol):
         ...
 
     def close(self) -> None:
+        """Finishes what was launched and joins the stream's worker thread, if it has one."""
+        ...
+
+    def let_go(self) -> None:
+        """Lets the stream's worker thread end after its work, without joining it: the finaliser of unreachable
+        ``Queues``, which may run on one of those threads."""
         ...
 
 
@@ -238,6 +244,9 @@ class HostStream:
         time.sleep(seconds)
 
     def close(self) -> None:
+        pass
+
+    def let_go(self) -> None:
         pass
 
 
@@ -332,6 +341,10 @@ class IOStream:
             self._settle.put(None)
             self._thread.join()
 
+    def let_go(self) -> None:
+        if self._settle is not None:
+            self._settle.put(None)
+
 
 def _settle(events: queue.SimpleQueue) -> None:
     while (event := events.get()) is not None:
@@ -371,6 +384,9 @@ class DeferredStream:
         if self._thread.is_alive():
             self._items.put(None)
             self._thread.join()
+
+    def let_go(self) -> None:
+        self._items.put(None)
 
 
 def _drain(items: queue.SimpleQueue) -> None:
@@ -445,6 +461,9 @@ class CudaStream:
     def close(self) -> None:
         pass
 
+    def let_go(self) -> None:
+        pass
+
 
 STREAM_KINDS = ("host", "deferred", "cuda")
 """What runs the device queues' work: ``host`` (on the queue thread), ``deferred`` (a CPU worker that
@@ -502,10 +521,7 @@ def _shut(jobs: list[queue.SimpleQueue], streams: list[Stream]) -> None:
     for q in jobs:
         q.put(None)
     for s in streams:
-        if isinstance(s, DeferredStream):
-            s._items.put(None)
-        elif isinstance(s, IOStream) and s._settle is not None:
-            s._settle.put(None)
+        s.let_go()
 
 
 class Queues:

@@ -55,7 +55,7 @@ def _speculating(config: TrainConfig, mode: str = "always") -> Engine:
 def _waiting(config: TrainConfig, monkeypatch) -> Engine:
     """The same run without a double buffer: every update waits for the norm."""
     with monkeypatch.context() as m:
-        m.setattr(engine_module.Engine, "_double_buffered", lambda self, budgets: None)
+        m.setattr(engine_module.Engine, "_double_buffered", lambda self, budgets: "")
         engine = Engine(None, config)
     assert engine.speculation is None
     return engine
